@@ -1,0 +1,227 @@
+"""Public API: flash-linear-attention's names and argument order (DESIGN.md section 2).
+
+Each function validates its arguments, applies the optional pre-processing of section 1 with differentiable
+PyTorch ops (q/k L2 norm, beta sigmoid, fused gate), puts states into the K-first layout and calls one core
+op (docs/ops.md), which runs the native kernel of the tensors' device when this build has one.
+"""
+import torch
+
+from . import _validate
+from .gate import _gate
+from .ops import ops
+
+# Keyword arguments flash-linear-attention or Transformers pass that change nothing here.
+_IGNORED_KWARGS = {"cu_seqlens_cpu", "use_cache", "safe_gate", "disable_recompute", "return_intermediate_states",
+                   "cp_context", "chunk_indices", "layer_idx", "output_attentions"}
+
+
+def _check_kwargs(op, kwargs):
+    if kwargs.get("head_first", False):
+        raise ValueError(f"[{op}] head_first=True is not supported: inputs are time-major [B, T, H, K]")
+    if kwargs.get("transpose_state_layout", False):
+        raise ValueError(f"[{op}] use state_v_first=True for [N, HV, V, K] states")
+
+
+def _l2norm(x):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _prepare(op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias, kwargs):
+    per_channel = family == "kda"
+    _check_kwargs(op, kwargs)
+    _validate.check_bool(op, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval)
+    B, T, H, K, HV, V, scale = _validate.check_core(op, q, k, v, g, beta, scale, per_channel)
+    if use_gate_in_kernel:
+        _validate.check_gate_params(op, A_log, dt_bias, HV, K, per_channel, q.device)
+    if lower_bound is not None and not use_gate_in_kernel:
+        raise ValueError(f"[{op}] lower_bound applies to the fused gate: pass use_gate_in_kernel=True with it")
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    if use_gate_in_kernel:
+        g = _gate(g, A_log, dt_bias, lower_bound, per_channel)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    return q, k, v, g, beta, scale, (B, T, H, K, HV, V)
+
+
+def _to_k_first(state, state_v_first):
+    if state is None:
+        return None
+    state = state.float()
+    return (state.transpose(-1, -2) if state_v_first else state).contiguous()
+
+
+def _from_k_first(state, state_v_first):
+    return state.transpose(-1, -2).contiguous() if state_v_first else state
+
+
+def _chunk(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens,
+           state_v_first, A_log, dt_bias, kwargs, mode="chunk"):
+    _validate.check_bool(op, output_final_state=output_final_state, state_v_first=state_v_first)
+    q, k, v, g, beta, scale, (B, T, H, K, HV, V) = _prepare(
+        op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias, kwargs)
+    N = _validate.check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    _validate.check_state(op, "initial_state", initial_state, N, HV, K, V, state_v_first, q.device)
+    cu = cu_seqlens.to(torch.long).contiguous() if cu_seqlens is not None else None
+    fwd = getattr(ops, f"{family}_{mode}_fwd")
+    o, final_state = fwd(q, k, v, g, beta, scale, _to_k_first(initial_state, state_v_first), cu)
+    return o, (_from_k_first(final_state, state_v_first) if output_final_state else None)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
+              dt_bias=None, **kwargs):
+    """Chunked Kimi Delta Attention (per-channel gate g [B, T, HV, K], log space). Returns (o, final_state|None)."""
+    return _chunk("chunk_kda", "kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, kwargs)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False,
+                           A_log=None, dt_bias=None, **kwargs):
+    """Chunked Gated DeltaNet (per-head gate g [B, T, HV], log space). Returns (o, final_state|None)."""
+    return _chunk("chunk_gated_delta_rule", "gdn", q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, kwargs)
+
+
+def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inplace_final_state, N, T,
+                   cu_seqlens, HV, K, V, state_v_first, device):
+    """Validate a state-pool call completely before anything is read or written. Returns the indices (int64)."""
+    if state_pool is None:
+        raise ValueError(f"[{op}] ssm_state_indices needs initial_state: the state pool [P, HV, K, V]")
+    _validate.check_state(op, "initial_state", state_pool, None, HV, K, V, state_v_first, device, rows_desc="P")
+    _validate.tensor("ssm_state_indices", ssm_state_indices, op)
+    idx = ssm_state_indices
+    if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.dtype.is_complex:
+        raise TypeError(f"[{op}] ssm_state_indices must be an integer tensor, got {idx.dtype}")
+    if idx.dim() not in (1, 2) or idx.shape[0] != N:
+        raise ValueError(f"[{op}] ssm_state_indices must be [N] or [N, T] with N={N} sequences, "
+                         f"got {list(idx.shape)}")
+    if idx.device != device:
+        raise ValueError(f"[{op}] ssm_state_indices must be on q's device {device}, got {idx.device}")
+    if idx.dim() == 2 and not inplace_final_state:
+        raise ValueError(f"[{op}] per-token ssm_state_indices [N, T] write every token's state into the pool: "
+                         f"they need inplace_final_state=True")
+    if num_accepted_tokens is not None:
+        _validate.tensor("num_accepted_tokens", num_accepted_tokens, op)
+        if idx.dim() != 2:
+            raise ValueError(f"[{op}] num_accepted_tokens needs per-token ssm_state_indices [N, T]")
+        if list(num_accepted_tokens.shape) != [N] or num_accepted_tokens.dtype.is_floating_point:
+            raise ValueError(f"[{op}] num_accepted_tokens must be an integer tensor [N] = [{N}], got "
+                             f"{list(num_accepted_tokens.shape)} {num_accepted_tokens.dtype}")
+    if not _validate._tracing():
+        P = state_pool.shape[0]
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
+        if idx.dim() == 2 and idx.shape[1] < max(lens, default=0):
+            raise ValueError(f"[{op}] per-token ssm_state_indices need a column per token: [N, >= "
+                             f"{max(lens)}], got {list(idx.shape)}")
+        if idx.numel() and int(idx.max()) >= P:
+            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {int(idx.max())}")
+        if num_accepted_tokens is not None:
+            acc = num_accepted_tokens.tolist()
+            if any(a < 1 or a > idx.shape[1] for a in acc):
+                raise ValueError(f"[{op}] num_accepted_tokens must be in [1, {idx.shape[1]}], got {acc}")
+        # rows this call writes: each active sequence's final row, or one row per (sequence, token)
+        if idx.dim() == 1:
+            writes = [int(r) for r in idx.tolist() if r >= 0]
+        else:
+            rows = idx.tolist()
+            starts = [rows[n][(acc[n] if num_accepted_tokens is not None else 1) - 1] for n in range(N)]
+            writes = [int(r) for n in range(N) if starts[n] >= 0 for r in rows[n][:lens[n]] if r >= 0]
+        if len(writes) != len(set(writes)):
+            dup = sorted({r for r in writes if writes.count(r) > 1})
+            raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
+    return idx.to(torch.long).contiguous()
+
+
+def _recurrent(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens,
+               ssm_state_indices, num_accepted_tokens, inplace_final_state, state_v_first, A_log, dt_bias, kwargs):
+    if ssm_state_indices is None:
+        if num_accepted_tokens is not None:
+            raise ValueError(f"[{op}] num_accepted_tokens needs ssm_state_indices")
+        return _chunk(op, family, q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                      lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, kwargs, mode="recurrent")
+    _validate.check_bool(op, output_final_state=output_final_state, state_v_first=state_v_first,
+                         inplace_final_state=inplace_final_state)
+    q, k, v, g, beta, scale, (B, T, H, K, HV, V) = _prepare(
+        op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias, kwargs)
+    N = _validate.check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    cu = cu_seqlens.to(torch.long).contiguous() if cu_seqlens is not None else None
+    pool = initial_state
+    idx = _check_serving(op, pool, ssm_state_indices, num_accepted_tokens, inplace_final_state, N, T, cu, HV, K,
+                         V, state_v_first, q.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, g, beta, pool) if x is not None)
+    if idx.dim() == 1 and (needs_grad or not inplace_final_state):
+        # Differentiable path: gather the rows, run the core op, then write back (in place) or return them.
+        active = (idx >= 0).view(N, 1, 1, 1)
+        h0 = torch.where(active, pool[idx.clamp(min=0)].float(), torch.zeros((), device=q.device))
+        fwd = getattr(ops, f"{family}_recurrent_fwd")
+        o, final = fwd(q, k, v, g, beta, scale, _to_k_first(h0, state_v_first), cu)
+        final = _from_k_first(final, state_v_first)
+        o = _zero_skipped(o, idx, cu, B, T)
+        if inplace_final_state:
+            with torch.no_grad():
+                rows = idx[idx >= 0]
+                pool[rows] = final[idx >= 0].to(pool.dtype)
+            return o, (pool if output_final_state else None)
+        final = torch.where(active, final, torch.zeros((), device=q.device))
+        return o, (final if output_final_state else None)
+    serve = getattr(ops, f"{family}_recurrent_serve")
+    nacc = num_accepted_tokens.to(torch.long).contiguous() if num_accepted_tokens is not None else None
+    o = serve(q, k, v, g, beta, scale, pool, idx, nacc, cu, state_v_first)
+    return o, (pool if output_final_state else None)
+
+
+def _zero_skipped(o, idx, cu, B, T):
+    """Outputs of sequences whose pool index is negative are zero (they are padding slots)."""
+    if cu is None:
+        return o * (idx >= 0).to(o.dtype).view(B, 1, 1, 1)
+    seq_of_token = torch.bucketize(torch.arange(T, device=o.device), cu[1:], right=True)
+    keep = (idx >= 0)[seq_of_token.clamp(max=max(idx.numel() - 1, 0))] if idx.numel() else None
+    return o if keep is None else o * keep.to(o.dtype).view(1, T, 1, 1)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                        allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
+                        dt_bias=None, ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True,
+                        **kwargs):
+    """Token-by-token KDA; same results as chunk_kda, differentiable, plus state-pool serving arguments.
+
+    With ssm_state_indices, initial_state is a state pool [P, HV, K, V] (docs/ops.md): sequence n starts from
+    row ssm_state_indices[n] and, with inplace_final_state=True (default), its final state is written back
+    there in place (the only argument this package ever modifies). [N, T] indices with num_accepted_tokens
+    serve speculative decoding. Without ssm_state_indices, inplace_final_state has no effect.
+    """
+    return _recurrent("fused_recurrent_kda", "kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                      lower_bound, cu_seqlens, ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                      state_v_first, A_log, dt_bias, kwargs)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                     cu_seqlens=None, state_v_first=False, A_log=None, dt_bias=None,
+                                     ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True,
+                                     **kwargs):
+    """Token-by-token Gated DeltaNet; see fused_recurrent_kda."""
+    return _recurrent("fused_recurrent_gated_delta_rule", "gdn", q, k, v, g, beta, scale, initial_state,
+                      output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, lower_bound, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                      inplace_final_state, state_v_first, A_log, dt_bias, kwargs)

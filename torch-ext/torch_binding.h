@@ -1,0 +1,46 @@
+// One declaration per core op, shared by every compiled backend (cpu, cuda, metal).
+// Each backend's sources define these functions; torch_binding.cpp registers them for that backend's
+// dispatch key. Schemas and semantics: docs/ops.md. Inputs arrive validated and contiguous.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+using DeltaFwdResult = std::tuple<at::Tensor, at::Tensor>;  // (o, final_state)
+using DeltaBwdResult =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dq dk dv dg dbeta dh0
+
+#define KDA_DECLARE_FAMILY(family)                                                                   \
+  DeltaFwdResult family##_chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,   \
+                                    const at::Tensor& g, const at::Tensor& beta, double scale,       \
+                                    const std::optional<at::Tensor>& initial_state,                  \
+                                    const std::optional<at::Tensor>& cu_seqlens);                    \
+  DeltaBwdResult family##_chunk_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,   \
+                                    const at::Tensor& g, const at::Tensor& beta, double scale,       \
+                                    const std::optional<at::Tensor>& initial_state,                  \
+                                    const std::optional<at::Tensor>& cu_seqlens,                     \
+                                    const at::Tensor& grad_o,                                        \
+                                    const std::optional<at::Tensor>& grad_final_state);              \
+  DeltaFwdResult family##_recurrent_fwd(const at::Tensor& q, const at::Tensor& k,                    \
+                                        const at::Tensor& v, const at::Tensor& g,                    \
+                                        const at::Tensor& beta, double scale,                        \
+                                        const std::optional<at::Tensor>& initial_state,              \
+                                        const std::optional<at::Tensor>& cu_seqlens);                \
+  DeltaBwdResult family##_recurrent_bwd(const at::Tensor& q, const at::Tensor& k,                    \
+                                        const at::Tensor& v, const at::Tensor& g,                    \
+                                        const at::Tensor& beta, double scale,                        \
+                                        const std::optional<at::Tensor>& initial_state,              \
+                                        const std::optional<at::Tensor>& cu_seqlens,                 \
+                                        const at::Tensor& grad_o,                                    \
+                                        const std::optional<at::Tensor>& grad_final_state);          \
+  at::Tensor family##_recurrent_serve(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, \
+                                      const at::Tensor& g, const at::Tensor& beta, double scale,     \
+                                      at::Tensor& state_pool, const at::Tensor& ssm_state_indices,   \
+                                      const std::optional<at::Tensor>& num_accepted_tokens,          \
+                                      const std::optional<at::Tensor>& cu_seqlens,                   \
+                                      bool state_v_first);
+
+KDA_DECLARE_FAMILY(kda)
+KDA_DECLARE_FAMILY(gdn)
