@@ -30,6 +30,8 @@ def install(force=False):
                 return real
         except ImportError:
             pass
+    from ._core import limit_blas_threads
+    limit_blas_threads(1)
     me = sys.modules[__name__]
     sys.modules["nki"] = me
     sys.modules["nki.language"] = language
