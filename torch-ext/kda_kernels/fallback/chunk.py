@@ -21,7 +21,11 @@ SUB = 16
 
 
 def _kda_intra(q, k, G):
-    """Exact A_qk (lower incl. diagonal) and A_kk (strictly lower) for per-channel decays. [..., C, K] -> [..., C, C]."""
+    """Exact A_qk (lower incl. diagonal) and A_kk (strictly lower) for per-channel decays. [..., C, K] -> [..., C, C].
+
+    G is float64: exponents are differences of cumulative sums that can be large (-100s) while the differences
+    are small, so they are formed in float64 and only the resulting factors (all <= 1) are rounded to float32.
+    """
     C = q.shape[-2]
     dev = q.device
     tril = torch.ones(SUB, SUB, dtype=torch.bool, device=dev).tril()
@@ -31,14 +35,14 @@ def _kda_intra(q, k, G):
         s = a * SUB
         qa, ka, Ga = q[..., s:s + SUB, :], k[..., s:s + SUB, :], G[..., s:s + SUB, :]
         D = Ga.unsqueeze(-2) - Ga.unsqueeze(-3)  # [..., 16(t), 16(j), K] = G_t - G_j
-        E = torch.exp(torch.where(tril.unsqueeze(-1), D, torch.full_like(D, -float("inf"))))
+        E = torch.exp(torch.where(tril.unsqueeze(-1), D, torch.full_like(D, -float("inf")))).to(q.dtype)
         diag_qk = torch.einsum("...tc,...jc,...tjc->...tj", qa, ka, E)
         diag_kk = torch.einsum("...tc,...jc,...tjc->...tj", ka, ka, E).masked_fill(~strict, 0.0)
         parts_qk, parts_kk = [], []
         if s > 0:
             Gr = G[..., s - 1:s, :]  # reference token r = s - 1: j <= r < t
-            kb = k[..., :s, :] * torch.exp(Gr - G[..., :s, :])
-            left = torch.exp(Ga - Gr)
+            kb = k[..., :s, :] * torch.exp(Gr - G[..., :s, :]).to(q.dtype)
+            left = torch.exp(Ga - Gr).to(q.dtype)
             parts_qk.append((qa * left) @ kb.transpose(-1, -2))
             parts_kk.append((ka * left) @ kb.transpose(-1, -2))
         parts_qk.append(diag_qk)
@@ -57,7 +61,7 @@ def _gdn_intra(q, k, G):
     C = q.shape[-2]
     tril = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     D = G.unsqueeze(-1) - G.unsqueeze(-2)
-    E = torch.exp(torch.where(tril, D, torch.full_like(D, -float("inf"))))
+    E = torch.exp(torch.where(tril, D, torch.full_like(D, -float("inf")))).to(q.dtype)
     A_qk = (q @ k.transpose(-1, -2)) * E
     A_kk = ((k @ k.transpose(-1, -2)) * E).masked_fill(~tril.clone().fill_diagonal_(False), 0.0)
     return A_qk, A_kk
@@ -66,19 +70,20 @@ def _gdn_intra(q, k, G):
 def chunk_step(q, k, v, g, beta, S, scale):
     """One chunk. q,k [b,h,C,K], v [b,h,C,V], g [b,h,C,K] or [b,h,C], beta [b,h,C], S [b,h,K,V] -> (o, S_next)."""
     per_channel = g.dim() == q.dim()
-    G = g.cumsum(-2 if per_channel else -1)
+    G = g.double().cumsum(-2 if per_channel else -1)  # float64 exponents; see _kda_intra
+    f32 = q.dtype
     if per_channel:
         A_qk, A_kk = _kda_intra(q, k, G)
-        Gamma = torch.exp(G)  # [b,h,C,K], <= 1
+        Gamma = torch.exp(G).to(f32)  # [b,h,C,K], <= 1
         G_last = G[..., -1:, :]  # [b,h,1,K]
-        k_to_end = k * torch.exp(G_last - G)
-        decay_state = torch.exp(G_last).transpose(-1, -2)  # [b,h,K,1]
+        k_to_end = k * torch.exp(G_last - G).to(f32)
+        decay_state = torch.exp(G_last).to(f32).transpose(-1, -2)  # [b,h,K,1]
     else:
         A_qk, A_kk = _gdn_intra(q, k, G)
-        Gamma = torch.exp(G).unsqueeze(-1)
+        Gamma = torch.exp(G).to(f32).unsqueeze(-1)
         G_last = G[..., -1:]
-        k_to_end = k * torch.exp(G_last - G).unsqueeze(-1)
-        decay_state = torch.exp(G_last).unsqueeze(-1)  # [b,h,1,1]
+        k_to_end = k * torch.exp(G_last - G).to(f32).unsqueeze(-1)
+        decay_state = torch.exp(G_last).to(f32).unsqueeze(-1)  # [b,h,1,1]
     C = q.shape[-2]
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     M = eye + A_kk * beta.unsqueeze(-2)
@@ -118,7 +123,7 @@ def _finish_o(o, Tp, valid, T, dtype):
     o = o[:, :, :Tp].transpose(1, 2)  # [N, Tp, HV, V]
     if valid is not None:
         o = from_padded_batch(o, valid, T)
-    return o.to(dtype)
+    return o.to(dtype).contiguous()
 
 
 def _chunks(x, i):
