@@ -19,6 +19,7 @@ import nki_sim  # noqa: E402
 from nki_sim.loader import load_kernels  # noqa: E402
 
 REAL = os.environ.get("KDA_NKI_REAL") == "1"
+DEVICE = os.environ.get("KDA_NKI_DEVICE", "cpu")   # on Trainium with the real nki: the Neuron device
 load_kernels(force_sim=not REAL)
 import nki  # noqa: E402
 import nki.isa as nisa  # noqa: E402
@@ -53,10 +54,18 @@ def make_inputs(B=1, T=150, H=1, HV=2, K=128, V=128, gate_div=1.0, gdn=False, dt
     return q, k, v, g, beta, s0
 
 
+def _on_device(fn, *args):
+    """Run a wrapper with its tensor arguments on DEVICE; results come back to the CPU."""
+    if DEVICE == "cpu":
+        return fn(*args)
+    args = [a.to(DEVICE) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return tuple(r.cpu() for r in fn(*args))
+
+
 def check_fwd(fn, q, k, v, g, beta, s0, cu=None, tol=None):
     K = q.shape[-1]
     ro, rs = ref_delta_rule(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
-    o, s = fn(q, k, v, g, beta, K ** -0.5, s0, cu)
+    o, s = _on_device(fn, q, k, v, g, beta, K ** -0.5, s0, cu)
     assert o.dtype == q.dtype and s.dtype == torch.float32
     bf = q.dtype != torch.float32
     assert_close("o", ro, o, TOL_BF16["o"] if bf else (tol or TOL_FP32))
@@ -80,7 +89,7 @@ def check_bwd(q, k, v, g, beta, s0, cu=None):
         ref_dh0 = z.grad
     else:
         ref_dh0 = h0.grad
-    out = W.kda_chunk_bwd(q, k, v, g, beta, K ** -0.5, s0, cu, do.to(q.dtype), dht.float())
+    out = _on_device(W.kda_chunk_bwd, q, k, v, g, beta, K ** -0.5, s0, cu, do.to(q.dtype), dht.float())
     dq, dk, dv, dg, db, dh0 = out
     assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
     assert dg.dtype == db.dtype == dh0.dtype == torch.float32
