@@ -197,35 +197,76 @@ def compile_cpu(torch, ns, dst, tmp, jobs):
 
 
 def cuda_archs():
+    """TORCH_CUDA_ARCH_LIST (default 8.0;9.0;10.0), minus what this nvcc cannot target."""
     env = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0;10.0")
     return [a.strip() for a in env.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
 
 
+def _nvcc_supported_archs(nvcc):
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True).stdout.split()
+    except OSError:
+        return None
+    return {c.replace("sm_", "") for c in out if c.startswith("sm_")}
+
+
 def compile_cuda(torch, ns, dst, tmp, jobs):
+    """nvcc for kernels_src/cuda/*.cu (one object per file, in parallel), g++ for torch_binding.cpp.
+
+    Environment: TORCH_CUDA_ARCH_LIST (e.g. "9.0" while iterating; "8.0;9.0;10.0" by default, "+PTX" also
+    embeds PTX), KDA_CUDA_PTXAS_VERBOSE=1 prints registers / spills per kernel, KDA_CUDA_STD (default c++17).
+    """
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     cuda_home = str(Path(nvcc).resolve().parents[1])
-    archs = cuda_archs()
+    supported = _nvcc_supported_archs(nvcc)
+    archs = []
     gencode = []
-    for a in archs:
+    for a in cuda_archs():
         num = a.replace(".", "").replace("+PTX", "")
+        if supported is not None and num not in supported and num.rstrip("af") not in supported:
+            log(f"  nvcc cannot target sm_{num}; skipped")
+            continue
+        archs.append(a)
         gencode += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+        if a.endswith("+PTX"):
+            gencode += ["-gencode", f"arch=compute_{num},code=compute_{num}"]
+    if not archs:
+        raise SystemExit("[build] no CUDA architecture left to build for")
+    std = os.environ.get("KDA_CUDA_STD", "c++17")
     common = ["-DCUDA_KERNEL", f"-DKDA_NAMESPACE={ns}", f"-I{SRC / 'cuda'}", f"-I{ROOT / 'torch-ext'}",
               f"-I{cuda_home}/include"] + torch_compile_flags(torch)
-    nvflags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-lineinfo", *gencode]
+    nvflags = ["-O3", f"-std={std}", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC", "-lineinfo",
+               "-diag-suppress", "3306", *gencode]
+    if os.environ.get("KDA_CUDA_PTXAS_VERBOSE"):
+        nvflags += ["-Xptxas", "-v"]
     cu = [s for s in backend_sources("cuda") if s.suffix == ".cu"]
     cpp = [s for s in backend_sources("cuda") if s.suffix == ".cpp"] + [ROOT / "torch-ext" / "torch_binding.cpp"]
     objs = []
+    verbose = bool(os.environ.get("KDA_CUDA_PTXAS_VERBOSE"))
+
+    def run_logged(cmd, what):
+        t0 = time.time()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(f"[build] FAILED: {what}\n$ {' '.join(cmd)}\n{res.stdout}{res.stderr}")
+            raise SystemExit(1)
+        if verbose:
+            lines = [ln for ln in (res.stdout + res.stderr).splitlines()
+                     if "Compiling entry" in ln or "registers" in ln or "spill" in ln]
+            print("\n".join(f"[ptxas] {ln.strip()}" for ln in lines), flush=True)
+        log(f"  {what} ({time.time() - t0:.1f}s)")
+
     with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
         futs = []
         for s in cu:
             o = tmp / (s.stem + ".cu.o")
             objs.append(o)
-            futs.append(ex.submit(run, [nvcc, *nvflags, *common, "-c", str(s), "-o", str(o)],
+            futs.append(ex.submit(run_logged, [nvcc, *nvflags, *common, "-c", str(s), "-o", str(o)],
                                   f"compiled {s.relative_to(ROOT)}"))
         for s in cpp:
             o = tmp / (s.stem + ".o")
             objs.append(o)
-            futs.append(ex.submit(run, ["g++", "-O3", "-std=c++17", "-fPIC", *common, "-c", str(s), "-o", str(o)],
+            futs.append(ex.submit(run, ["g++", "-O3", f"-std={std}", "-fPIC", *common, "-c", str(s), "-o", str(o)],
                                   f"compiled {s.relative_to(ROOT)}"))
         for f in futs:
             f.result()
