@@ -1,0 +1,310 @@
+"""Context parallelism: one long sequence (or a packed varlen batch) split along time across the ranks of a
+torch.distributed process group, forward and backward. docs/context_parallel.md has the full derivation.
+
+The per-token update S <- (I - beta k k^T) Diag(exp g) S + beta k v^T (state S is [K, V], K-first) is affine
+in S, so a rank's whole slice is an affine map  S_out = P S_in + Q  with P [K, K] and Q [K, V] per value head.
+Every column of S evolves independently with the matching column of v, so ONE core-op call on this rank's
+slice with the value width extended to K + V,
+
+    v' = [0_K | v]          initial state [I_K | 0]
+
+returns the final state [P | Q] and the output [o_P | o_Q], where o_Q is the output from a zero initial state
+and o_P[t] = scale * P_t^T q_t. Once the true incoming state S_in is known the true output is
+
+    o = o_Q + o_P S_in            (and the state at the end of the slice is Q + P S_in)
+
+so no second pass over the tokens is needed. The ranks all_gather their (P, Q) (bytes independent of T),
+every rank composes the maps of the ranks before it to get its S_in, and finishes. The backward is the same
+scan reversed: the ranks all_gather their local dL/dS_in (K x V per head) and each rank sums the
+contributions of the ranks after it through their P^T to get dL/dS_out, from which dP = dS_out S_in^T and
+dQ = dS_out; autograd through the core ops does the rest (dq, dk, dv, dg, dbeta, d initial_state).
+
+A rank whose slice does not continue a sequence from the previous rank (rank 0; a varlen slice that starts on
+a sequence boundary) needs no S_in and runs the plain core op at width V.
+
+Varlen convention (see `split_varlen`): each rank passes the cu_seqlens of its own slice (starting at 0,
+ending at its local T) and `continues_from_prev`: True when its first local sequence is the continuation of
+the last local sequence of the previous rank. Rows of `initial_state` are per local sequence; the row of a
+continued sequence is ignored (its state comes from the previous rank). Row n of the returned final state is
+the true state after the last token of local sequence n on this rank, i.e. the sequence's final state when it
+ends on this rank, the state at the rank boundary when it continues on the next rank.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _validate
+from .api import _from_k_first, _prepare, _to_k_first, _check_kwargs
+from .ops import ops
+
+__all__ = ["chunk_kda_cp", "chunk_gated_delta_rule_cp", "split_varlen", "CPSlice"]
+
+_TRANSITIONS = ("fused", "split")
+
+
+# ---------------------------------------------------------------- collectives with autograd
+def _group_info(group):
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_gather(x, group):
+    W, _ = _group_info(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(W)]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+class _StateScan(torch.autograd.Function):
+    """(P_r [M,HV,K,K], Q_r [M,HV,K,V]) on every rank r  ->  S_in_r, the state entering rank r.
+
+    S_in_0 = 0 and S_in_{j+1} = P_j S_in_j + Q_j. Forward: one all_gather of [P | Q]. Backward: one all_gather of
+    the local dL/dS_in, then E_r = dL/dS_out_r = sum over j > r of the chain G_j + P_j^T(...) (reverse scan).
+    `anchor` (any input of the call that requires grad, or None) only puts this node into the graph on every
+    rank whose call is differentiable, so that the backward's collective runs on all ranks even where P and Q
+    do not depend on anything differentiable (an empty slice without initial state).
+    """
+
+    @staticmethod
+    def forward(ctx, P, Q, group, anchor):
+        W, r = _group_info(group)
+        K = P.shape[-1]
+        parts = _all_gather(torch.cat([P, Q], -1), group)
+        S = torch.zeros_like(Q)
+        for j in range(r):
+            S = torch.matmul(parts[j][..., :K], S) + parts[j][..., K:]
+        ctx.group = group
+        ctx.K = K
+        later = [parts[j][..., :K] for j in range(r + 1, W)]
+        ctx.save_for_backward(S, *later)
+        return S
+
+    @staticmethod
+    def backward(ctx, dS_in):
+        S_in, *later = ctx.saved_tensors
+        W, r = _group_info(ctx.group)
+        G = _all_gather(dS_in, ctx.group)
+        E = torch.zeros_like(S_in)
+        for j in range(W - 1, r, -1):  # E = dL/dS_in_{j} total, walking back to dL/dS_out_r
+            E = G[j] + torch.matmul(later[j - r - 1].transpose(-1, -2), E)
+        dP = torch.matmul(E, S_in.transpose(-1, -2))
+        return dP, E, None, None
+
+
+class _Tie(torch.autograd.Function):
+    """Returns x unchanged but makes it depend on s (zero gradient), so that every rank's backward reaches the
+    scan's collective even where the result does not use S_in (a rank that does not continue a sequence)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s_meta = (s.shape, s.dtype, s.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        shape, dtype, device = ctx.s_meta
+        return dx, torch.zeros(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- local pieces
+def _core(fwd, q, k, v, g, beta, scale, h0, cu):
+    """The core op, also for zero tokens (the state passes through; native kernels never see T == 0)."""
+    B, T = q.shape[:2]
+    if T == 0:
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        N = B if cu is None else cu.numel() - 1
+        o = v.new_zeros(B, 0, HV, V)
+        final = h0 if h0 is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
+        return o, final
+    return fwd(q, k, v, g, beta, scale, h0, cu)
+
+
+def _transition_run(fwd, q, k, v, g, beta, scale, transition):
+    """Run a slice whose incoming state is unknown. Returns (o_P [B,T,HV,K], o_Q [B,T,HV,V], P, Q).
+
+    transition='fused': one call at value width K + V;  'split': two calls, width K (v = 0, state I) and width V
+    (for kernels limited in V; same math, the K-independent intra-chunk work is done twice)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    eye = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, HV, K, K)
+    if T == 0:  # the identity map
+        return q.new_zeros(B, 0, HV, K), v.new_zeros(B, 0, HV, V), eye.contiguous(), q.new_zeros(
+            B, HV, K, V, dtype=torch.float32)
+    zeros_v = v.new_zeros(B, T, HV, K)
+    if transition == "fused":
+        vv = torch.cat([zeros_v, v], -1)
+        h0 = torch.cat([eye, q.new_zeros(B, HV, K, V, dtype=torch.float32)], -1).contiguous()
+        o, F = fwd(q, k, vv, g, beta, scale, h0, None)
+        return o[..., :K], o[..., K:], F[..., :K], F[..., K:]
+    oP, P = fwd(q, k, zeros_v, g, beta, scale, eye.contiguous(), None)
+    oQ, Q = fwd(q, k, v, g, beta, scale, None, None)
+    return oP, oQ, P, Q
+
+
+def _apply_state(oP, oQ, S_in, dtype):
+    """o = o_Q + o_P S_in per value head, accumulated in fp32."""
+    corr = torch.einsum("bthk,bhkv->bthv", oP.float(), S_in)
+    return (oQ.float() + corr).to(dtype)
+
+
+def _cp(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens, state_v_first,
+        A_log, dt_bias, group, continues_from_prev, transition, kwargs):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"[{op}] torch.distributed is not initialized: call init_process_group first")
+    group = group if group is not None else dist.group.WORLD
+    W, rank = _group_info(group)
+    if transition not in _TRANSITIONS:
+        raise ValueError(f"[{op}] transition must be one of {_TRANSITIONS}, got {transition!r}")
+    if continues_from_prev is None:
+        if cu_seqlens is not None:
+            raise ValueError(f"[{op}] with cu_seqlens pass continues_from_prev=True/False explicitly: whether this "
+                             f"rank's first local sequence continues the previous rank's last one (split_varlen "
+                             f"computes it)")
+        continues_from_prev = rank > 0
+    _validate.check_bool(op, output_final_state=output_final_state, state_v_first=state_v_first,
+                         continues_from_prev=continues_from_prev)
+    if continues_from_prev and rank == 0:
+        raise ValueError(f"[{op}] rank 0 of the group has no previous rank: continues_from_prev must be False")
+    _check_kwargs(op, kwargs)
+    q, k, v, g, beta, scale, (B, T, H, K, HV, V) = _prepare(
+        op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, A_log, dt_bias, kwargs)
+    N = _validate.check_cu_seqlens(op, cu_seqlens, B, T, q.device)
+    if N < 1:
+        raise ValueError(f"[{op}] a context-parallel slice needs at least one local sequence: an empty slice is "
+                         f"cu_seqlens=[0, 0] (one zero-length piece)")
+    _validate.check_state(op, "initial_state", initial_state, N, HV, K, V, state_v_first, q.device)
+    cu = cu_seqlens.to(torch.long).contiguous() if cu_seqlens is not None else None
+    h0 = _to_k_first(initial_state, state_v_first)
+    fwd = getattr(ops, f"{family}_chunk_fwd")
+    cont = continues_from_prev
+    anchor = next((x for x in (q, k, v, g, beta, h0) if x is not None and x.requires_grad), None)
+
+    def scan(P, Q):
+        return _StateScan.apply(P, Q, group, anchor if torch.is_grad_enabled() else None)
+
+    if not cont:
+        o, final = _core(fwd, q, k, v, g, beta, scale, h0, cu)
+        M = B if cu is None else 1
+        last = final if cu is None else final[-1:]
+        P = last.new_zeros(M, HV, K, K)
+        S_in = scan(P, last)
+        if torch.is_grad_enabled() and S_in.requires_grad:
+            o = _Tie.apply(o, S_in)
+        return o, (_from_k_first(final, state_v_first) if output_final_state else None)
+
+    if cu is None:
+        # every batch row is one sequence continuing from the previous rank; initial_state is ignored
+        oP, oQ, P, Q = _transition_run(fwd, q, k, v, g, beta, scale, transition)
+        S_in = scan(P, Q)
+        o = _apply_state(oP, oQ, S_in, q.dtype)
+        final = Q + torch.matmul(P, S_in)
+        return o, (_from_k_first(final, state_v_first) if output_final_state else None)
+
+    # varlen: local sequence 0 = tokens [0, c1) continues from the previous rank; the others start here
+    c1 = int(cu[1])
+    sl = (slice(None), slice(0, c1))
+    oP, oQ, P0, Q0 = _transition_run(fwd, q[sl], k[sl], v[sl], g[sl], beta[sl], scale, transition)
+    if N == 1:
+        S_in = scan(P0, Q0)
+        o = _apply_state(oP, oQ, S_in, q.dtype)
+        final = Q0 + torch.matmul(P0, S_in)
+    else:
+        rest = (slice(None), slice(c1, T))
+        o_rest, f_rest = _core(fwd, q[rest], k[rest], v[rest], g[rest], beta[rest], scale,
+                               h0[1:] if h0 is not None else None, cu[1:] - c1)
+        S_in = scan(torch.zeros_like(P0), f_rest[-1:])
+        o = torch.cat([_apply_state(oP, oQ, S_in, q.dtype), o_rest], 1)
+        final = torch.cat([Q0 + torch.matmul(P0, S_in), f_rest], 0)
+    return o, (_from_k_first(final, state_v_first) if output_final_state else None)
+
+
+# ---------------------------------------------------------------- public API
+def chunk_kda_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                 allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
+                 dt_bias=None, *, group=None, continues_from_prev=None, transition="fused", **kwargs):
+    """chunk_kda over a sequence split along time across the ranks of `group` (None: the default group).
+
+    Every rank of the group calls this with its own slice (same B, H, HV, K, V, dtype and options on every rank;
+    rank order = time order). Returns this slice's (o, final_state|None), equal to the matching part of one
+    chunk_kda call over the whole sequence; the backward is collective too (every rank must backpropagate).
+
+    Without cu_seqlens: each of the B rows is one sequence split across the ranks at the same place;
+    continues_from_prev defaults to rank > 0, and initial_state (the state before the row's first token)
+    is only read on ranks that do not continue.
+    With cu_seqlens (B == 1): this rank's local cu_seqlens, and continues_from_prev (required) says whether local
+    sequence 0 continues the previous rank's last local sequence; initial_state row 0 is then ignored. Row n of
+    final_state is the state after local sequence n's last token on this rank. `split_varlen` builds all this
+    from a global cu_seqlens. A_log / dt_bias gradients cover the local tokens only: sum them over the group.
+    transition: 'fused' (one core call at value width K+V) or 'split' (two calls, widths K and V).
+    """
+    return _cp("chunk_kda_cp", "kda", q, k, v, g, beta, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+               lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, group, continues_from_prev, transition,
+               kwargs)
+
+
+def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                              cu_seqlens=None, state_v_first=False, A_log=None, dt_bias=None, *, group=None,
+                              continues_from_prev=None, transition="fused", **kwargs):
+    """chunk_gated_delta_rule over a sequence split across the ranks of `group`; see chunk_kda_cp."""
+    return _cp("chunk_gated_delta_rule_cp", "gdn", q, k, v, g, beta, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+               lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, group, continues_from_prev, transition,
+               kwargs)
+
+
+@dataclass
+class CPSlice:
+    """One rank's part of a packed batch (see split_varlen)."""
+    start: int                 # global token range [start, end) of this rank
+    end: int
+    cu_seqlens: list           # local cu_seqlens (starts at 0, ends at end - start)
+    continues_from_prev: bool  # local sequence 0 continues the previous rank's last local sequence
+    seq_ids: list              # global sequence index of each local sequence (-1: a placeholder, see below)
+    ends_here: list            # local sequence n's last token is on this rank (its final_state row is final)
+
+
+def split_varlen(cu_seqlens, world_size=None, bounds=None):
+    """Split a packed batch described by a global cu_seqlens [N+1] across ranks. Returns one CPSlice per rank.
+
+    bounds: the ranks' global token boundaries [0 = b_0 <= b_1 <= ... <= b_W = T] (empty slices allowed);
+    default: an even split into world_size slices. Rules: a sequence [s, e) continues onto rank r when
+    s < b_r < e; a sequence belongs (with its first piece) to the rank with b_r <= s < b_{r+1} (zero-length
+    sequences included; those at s == T go to the last rank). A rank left with no piece at all (an empty slice
+    that no sequence crosses) gets one zero-length placeholder piece with seq_id -1.
+    """
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"split_varlen: cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+    T = cu[-1]
+    if bounds is None:
+        if world_size is None or world_size < 1:
+            raise ValueError("split_varlen: pass world_size >= 1 or bounds")
+        bounds = [(r * T) // world_size for r in range(world_size + 1)]
+    bounds = [int(b) for b in bounds]
+    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"split_varlen: bounds must go from 0 to T={T}, non-decreasing, got {bounds}")
+    W = len(bounds) - 1
+    seqs = list(zip(cu[:-1], cu[1:]))
+    out = []
+    for r in range(W):
+        a, b = bounds[r], bounds[r + 1]
+        pieces = []  # (global id, piece start, piece end, ends here)
+        for n, (s, e) in enumerate(seqs):
+            if s < a < e:  # crosses into this rank: local sequence 0
+                pieces.append((n, a, min(e, b), e <= b))
+        cont = bool(pieces)
+        for n, (s, e) in enumerate(seqs):
+            if a <= s < b or (s == T and r == W - 1):
+                pieces.append((n, s, min(e, b), e <= b))
+        if not pieces:
+            pieces = [(-1, a, a, False)]
+        local = [0] + [p[2] - a for p in pieces]
+        out.append(CPSlice(a, b, local, cont, [p[0] for p in pieces], [p[3] for p in pieces]))
+    return out
