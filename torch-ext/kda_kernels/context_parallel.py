@@ -99,7 +99,9 @@ class _Tie(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, s):
         ctx.s_meta = (s.shape, s.dtype, s.device)
-        return x.view_as(x)
+        # detach(): same storage and version counter, but not an autograd view, so in-place ops on the result
+        # stay legal (a view returned from a custom Function may not be modified in place)
+        return x.detach()
 
     @staticmethod
     def backward(ctx, dx):
