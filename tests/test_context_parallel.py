@@ -385,3 +385,28 @@ def _two_layers(mod, cp, rank, world):
     errs = {n: float((t[2 * i] / t[2 * i + 1]).sqrt()) for i, n in enumerate(("o", "dq", "dk", "dv", "dg",
                                                                             "dbeta"))}
     return errs
+
+
+def test_single_rank_group_and_errors(cp_module, tmp_path):
+    """A group of one rank is the plain op; argument errors name what is wrong."""
+    mod, cp = cp_module
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        spec = dict(family="kda", H=1, HV=2, cu=CU, init=True)
+        d = make_global(spec, seed=3)
+        args = [d[n] for n in ("q", "k", "v", "g", "beta")]
+        cu = torch.tensor(CU)
+        o, f = cp.chunk_kda_cp(*args, initial_state=d["h0"], output_final_state=True, cu_seqlens=cu,
+                               continues_from_prev=False)
+        o1, f1 = mod.chunk_kda(*args, initial_state=d["h0"], output_final_state=True, cu_seqlens=cu)
+        assert torch.equal(o, o1) and torch.equal(f, f1)
+        with pytest.raises(ValueError, match="continues_from_prev"):
+            cp.chunk_kda_cp(*args, cu_seqlens=cu)
+        with pytest.raises(ValueError, match="rank 0"):
+            cp.chunk_kda_cp(*args, cu_seqlens=cu, continues_from_prev=True)
+        with pytest.raises(ValueError, match="transition"):
+            cp.chunk_kda_cp(*args, cu_seqlens=cu, continues_from_prev=False, transition="nope")
+        with pytest.raises(ValueError, match="at least one local sequence"):
+            cp.chunk_kda_cp(*(x[:, :0] for x in args), cu_seqlens=torch.tensor([0]), continues_from_prev=False)
+    finally:
+        dist.destroy_process_group()
