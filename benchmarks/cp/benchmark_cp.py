@@ -3,7 +3,8 @@
 against the same sequence on one GPU (chunk_kda / chunk_gated_delta_rule), forward and forward+backward, with
 the bytes each rank sends through the collectives.
 
-    # the two-GPU H200 machine (NCCL; NVLink SHARP / multicast stays off: NCCL_NVLS_ENABLE=0)
+    # the two-GPU H200 machine (NCCL; NVLink SHARP / multicast stays off: NCCL_NVLS_ENABLE=0); build first:
+    #   python scripts/build.py --backends universal,cuda    (loads the best variant in build/, or --build DIR)
     python benchmarks/cp/benchmark_cp.py                        # T = 131072 and 524288, B=1 H=16 HV=32 K=V=128
     python benchmarks/cp/benchmark_cp.py --family gdn --T 131072 --shares even,auto
     torchrun --nproc_per_node=2 benchmarks/cp/benchmark_cp.py   # also works (reads RANK / WORLD_SIZE)
@@ -20,6 +21,7 @@ counted at the call site of the package's all_gather: (W-1) x payload (a ring al
 Results: JSON under benchmarks/cp/results/ (--out).
 """
 import argparse
+import datetime
 import importlib
 import json
 import os
@@ -55,11 +57,12 @@ def parse_args(argv=None):
     ap.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
     ap.add_argument("--build", type=Path, default=None,
                     help="a build variant dir to load (default: kernels.get_local_kernel on the repo root)")
+    ap.add_argument("--timeout-min", type=float, default=60.0, help="collective timeout in minutes")
     ap.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny shapes, a correctness check")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cp" / "results")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.T, args.H, args.HV, args.K, args.V = "300", 2, 4, 16, 16
+        args.T, args.H, args.HV, args.K, args.V = "512", 2, 4, 16, 16
         args.dtype, args.warmup, args.iters = "float32", 1, 2
     return args
 
@@ -166,11 +169,12 @@ def worker(rank, world, args, store_path):
         device = torch.device("cpu")
         backend = "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # long timeout: the other ranks wait in a barrier while rank 0 runs the one-device baseline
+    kw = dict(timeout=datetime.timedelta(minutes=args.timeout_min), **({"device_id": device} if use_cuda else {}))
     if store_path is not None:
-        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world,
-                                **({"device_id": device} if use_cuda else {}))
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world, **kw)
     else:  # torchrun
-        dist.init_process_group(backend, **({"device_id": device} if use_cuda else {}))
+        dist.init_process_group(backend, **kw)
     mod, cp = load_package(args)
     counter = ByteCounter(cp, world)
     dtype = getattr(torch, args.dtype)
