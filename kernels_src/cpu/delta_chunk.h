@@ -1,0 +1,543 @@
+// Chunked (WY) delta rule on the CPU, forward and backward. Shared by {kda,gdn}_chunk_{fwd,bwd}.cpp.
+//
+// Chunk of C = 64 tokens (the last one padded to a multiple of 16 with q = k = v = beta = 0, a = 1), state S0
+// (K x V) at its start, a_t = exp(g_t) per channel, Gam_t = prod_{i<=t} a_i, Eend_t = prod_{t<i<C} a_i and
+// E[t,j] = prod_{j<i<=t} a_i:
+//   A_qk[t,j] = sum_c q_t k_j E[t,j]  (j <= t),   A_kk[t,j] = sum_c k_t k_j E[t,j]  (j < t),  L = Diag(beta) A_kk
+//   (I + L) [u | w] = [Diag(beta) V | Diag(beta) (K * Gam)]           (forward substitution, 16-row blocks)
+//   U = u - w S0                                                          (U_t = beta_t (v_t - pred_t))
+//   O = scale ((Q * Gam) S0 + A_qk U),   S1 = Gam_last * S0 + (K * Eend)^T U
+// Every decay factor is a product of a_i <= 1 (no exp of a difference, nothing overflows): inside a 16-token
+// sub-chunk E[t,j] is formed exactly per channel; across sub-chunks it factors around the reference token
+// r = (first token of t's sub-chunk) - 1, E[t,j] = E[t,r] E[r,j], both factors products of decays.
+//
+// Backward: chunk-start states from a forward sweep; per chunk (last first) the forward quantities are rebuilt
+// and every step above is reversed by hand (transposed GEMMs, back substitution with (I + L)^T, dL = -dR X^T).
+// Gate gradients are taken w.r.t. G_t = log Gam_t: each decay-scaled term contributes +x*dx on its "later"
+// token's side and -x*dx on its "earlier" side, and dg_t = sum_{s >= t} dG_s.
+#pragma once
+
+#include "delta_common.h"
+
+namespace kda_kernels::cpu {
+
+constexpr int64_t CH = 64;
+constexpr int64_t SUB = 16;
+
+struct ChunkBufs {
+  int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
+  // inputs
+  float *q, *k, *a, *v, *beta;
+  // forward quantities
+  float *gam, *eend, *qg, *kg, *kend, *aqk, *akk, *lm, *x, *u;
+  // temporaries
+  float *lf, *ql, *kl, *rr, *kr, *krt, *o, *ev;
+  // backward
+  float *dos, *s0t, *dqg, *dsT, *daqk, *dakk, *du, *dx, *xt, *ut, *dkend, *dq, *dkp, *dkm, *dgv, *tmp, *dgl;
+  std::vector<float>* store;
+
+  static ChunkBufs make(std::vector<float>& buf, int64_t Kp, int64_t Vp, bool bwd) {
+    ChunkBufs b;
+    b.Kp = Kp;
+    b.Vp = Vp;
+    b.W = Vp + Kp;
+    const int64_t CK = CH * Kp, CV = CH * Vp, CC = CH * CH, CW = CH * b.W;
+    size_t need = 3 * CK + CV + CH + 5 * CK + 3 * CC + CW + CV + SUB * Kp * 3 + 3 * CK + CV + 2 * Kp;
+    if (bwd) need += CV + Vp * Kp + CK + Vp * Kp + 2 * CC + CV + CW + CW + CV + 7 * CK + CK + Kp;
+    float* p = scratch(buf, need);
+    auto take = [&](int64_t n) {
+      float* r = p;
+      p += n;
+      return r;
+    };
+    b.q = take(CK); b.k = take(CK); b.a = take(CK); b.v = take(CV); b.beta = take(CH);
+    b.gam = take(CK); b.eend = take(CK); b.qg = take(CK); b.kg = take(CK); b.kend = take(CK);
+    b.aqk = take(CC); b.akk = take(CC); b.lm = take(CC); b.x = take(CW); b.u = take(CV);
+    b.lf = take(SUB * Kp); b.ql = take(SUB * Kp); b.kl = take(SUB * Kp); b.rr = take(CK); b.kr = take(CK);
+    b.krt = take(CK); b.o = take(CV); b.ev = take(2 * Kp);
+    if (bwd) {
+      b.dos = take(CV); b.s0t = take(Vp * Kp); b.dqg = take(CK); b.dsT = take(Vp * Kp); b.daqk = take(CC);
+      b.dakk = take(CC); b.du = take(CV); b.dx = take(CW); b.xt = take(CW); b.ut = take(CV); b.dkend = take(CK);
+      b.dq = take(CK); b.dkp = take(CK); b.dkm = take(CK); b.dgv = take(CK); b.tmp = take(CK);
+      b.dgl = take(CK + Kp);
+    }
+    return b;
+  }
+};
+
+// Rows [c0, c0+Cc) of one (sequence, value head) into the chunk buffers, padded to Cp rows / Kp, Vp columns.
+template <typename T, bool PC>
+inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const float* beta, const Dims& d,
+                       const Seq& s, int64_t hv, int64_t c0, int64_t Cc, int64_t Cp, ChunkBufs& b) {
+  const int64_t h = hv / d.G, K = d.K, V = d.V, Kp = b.Kp, Vp = b.Vp;
+  for (int64_t i = 0; i < Cp; ++i) {
+    float* qr = b.q + i * Kp;
+    float* kr = b.k + i * Kp;
+    float* ar = b.a + i * Kp;
+    float* vr = b.v + i * Vp;
+    if (i >= Cc) {
+      std::fill(qr, qr + Kp, 0.f);
+      std::fill(kr, kr + Kp, 0.f);
+      std::fill(ar, ar + Kp, 1.f);
+      std::fill(vr, vr + Vp, 0.f);
+      b.beta[i] = 0.f;
+      continue;
+    }
+    const int64_t row = s.b * d.T + s.start + c0 + i;
+    load_row(q + (row * d.H + h) * K, qr, K, Kp);
+    load_row(k + (row * d.H + h) * K, kr, K, Kp);
+    load_row(v + (row * d.HV + hv) * V, vr, V, Vp);
+    if (PC) {
+      exp_row(g + (row * d.HV + hv) * K, ar, K, Kp);
+    } else {
+      const float av = std::exp(g[row * d.HV + hv]);
+      for (int64_t c = 0; c < K; ++c) ar[c] = av;
+      for (int64_t c = K; c < Kp; ++c) ar[c] = 1.f;
+    }
+    b.beta[i] = beta[row * d.HV + hv];
+  }
+}
+
+inline void mul_rows(const float* __restrict x, const float* __restrict y, float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * y[i];
+}
+
+// Off-diagonal decay factors of row block p (p >= 1), reference r = 16p - 1:
+//   lf[i] = prod_{16p <= m <= 16p+i} a_m  (16 rows),  rr[j] = prod_{j < m <= r} a_m  (j < 16p),
+//   ql = q * lf, kl = k * lf, kr = k * rr.
+inline void block_factors(ChunkBufs& b, int64_t p) {
+  const int64_t Kp = b.Kp, r0 = p * SUB;
+  for (int64_t i = 0; i < SUB; ++i) {
+    const float* ai = b.a + (r0 + i) * Kp;
+    float* lf = b.lf + i * Kp;
+    if (i == 0)
+      std::memcpy(lf, ai, Kp * sizeof(float));
+    else
+      mul_rows(lf - Kp, ai, lf, Kp);
+    mul_rows(b.q + (r0 + i) * Kp, lf, b.ql + i * Kp, Kp);
+    mul_rows(b.k + (r0 + i) * Kp, lf, b.kl + i * Kp, Kp);
+  }
+  for (int64_t j = r0 - 1; j >= 0; --j) {
+    float* rj = b.rr + j * Kp;
+    if (j == r0 - 1)
+      std::fill(rj, rj + Kp, 1.f);
+    else
+      mul_rows(rj + Kp, b.a + (j + 1) * Kp, rj, Kp);
+    mul_rows(b.k + j * Kp, rj, b.kr + j * Kp, Kp);
+  }
+}
+
+// Everything of the chunk that does not depend on the state: decays, A_qk, A_kk, L and X = [u | w].
+inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
+  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W;
+  for (int64_t t = 0; t < Cp; ++t) {
+    float* gt = b.gam + t * Kp;
+    if (t == 0)
+      std::memcpy(gt, b.a, Kp * sizeof(float));
+    else
+      mul_rows(gt - Kp, b.a + t * Kp, gt, Kp);
+    mul_rows(b.q + t * Kp, gt, b.qg + t * Kp, Kp);
+    mul_rows(b.k + t * Kp, gt, b.kg + t * Kp, Kp);
+  }
+  for (int64_t t = Cp - 1; t >= 0; --t) {
+    float* et = b.eend + t * Kp;
+    if (t == Cp - 1)
+      std::fill(et, et + Kp, 1.f);
+    else
+      mul_rows(et + Kp, b.a + (t + 1) * Kp, et, Kp);
+    mul_rows(b.k + t * Kp, et, b.kend + t * Kp, Kp);
+  }
+  std::fill(b.aqk, b.aqk + Cp * CH, 0.f);
+  std::fill(b.akk, b.akk + Cp * CH, 0.f);
+  const int64_t nb = Cp / SUB;
+  for (int64_t p = 0; p < nb; ++p) {
+    // diagonal block: exact per-channel decay, walking j down from t with a running product
+    for (int64_t t = p * SUB; t < (p + 1) * SUB; ++t) {
+      const float* qt = b.q + t * Kp;
+      const float* kt = b.k + t * Kp;
+      b.aqk[t * CH + t] = dot8(qt, kt, Kp);
+      float* ev = b.ev;
+      float* ke = b.ev + Kp;
+      std::fill(ev, ev + Kp, 1.f);
+      for (int64_t j = t - 1; j >= p * SUB; --j) {
+        const float* aj = b.a + (j + 1) * Kp;
+        const float* kj = b.k + j * Kp;
+        for (int64_t c = 0; c < Kp; ++c) {
+          ev[c] *= aj[c];
+          ke[c] = ev[c] * kj[c];
+        }
+        b.aqk[t * CH + j] = dot8(qt, ke, Kp);
+        b.akk[t * CH + j] = dot8(kt, ke, Kp);
+      }
+    }
+    if (p == 0) continue;
+    block_factors(b, p);
+    const int64_t r0 = p * SUB;
+    transpose(b.kr, Kp, b.krt, CH, r0, Kp);  // krt [Kp x r0], row stride CH
+    gemm<false>(SUB, r0, Kp, 1.f, b.ql, Kp, 1, b.krt, CH, b.aqk + r0 * CH, CH);
+    gemm<false>(SUB, r0, Kp, 1.f, b.kl, Kp, 1, b.krt, CH, b.akk + r0 * CH, CH);
+  }
+  for (int64_t t = 0; t < Cp; ++t)
+    for (int64_t j = 0; j < CH; ++j) b.lm[t * CH + j] = b.beta[t] * b.akk[t * CH + j];
+  // right-hand side [beta v | beta k Gam], then (I + L) X = RHS by blocks
+  for (int64_t t = 0; t < Cp; ++t) {
+    float* xr = b.x + t * W;
+    const float bt = b.beta[t];
+    for (int64_t c = 0; c < Vp; ++c) xr[c] = bt * b.v[t * Vp + c];
+    for (int64_t c = 0; c < Kp; ++c) xr[Vp + c] = bt * b.kg[t * Kp + c];
+  }
+  for (int64_t p = 0; p < nb; ++p) {
+    const int64_t r0 = p * SUB;
+    if (p > 0) gemm<true>(SUB, W, r0, -1.f, b.lm + r0 * CH, CH, 1, b.x, W, b.x + r0 * W, W);
+    for (int64_t t = r0 + 1; t < r0 + SUB; ++t) {
+      float* xt = b.x + t * W;
+      for (int64_t j = r0; j < t; ++j) {
+        const float l = b.lm[t * CH + j];
+        const float* xj = b.x + j * W;
+        for (int64_t c = 0; c < W; ++c) xt[c] -= l * xj[c];
+      }
+    }
+  }
+}
+
+// U = u - w S0 (Cp x Vp)
+inline void chunk_u(ChunkBufs& b, int64_t Cp, const float* S) {
+  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W;
+  for (int64_t t = 0; t < Cp; ++t) std::memcpy(b.u + t * Vp, b.x + t * W, Vp * sizeof(float));
+  gemm<true>(Cp, Vp, Kp, -1.f, b.x + Vp, W, 1, S, Vp, b.u, Vp);
+}
+
+// S <- Gam_last * S + (K * Eend)^T U
+inline void chunk_state(ChunkBufs& b, int64_t Cp, float* S) {
+  const int64_t Kp = b.Kp, Vp = b.Vp;
+  const float* gl = b.gam + (Cp - 1) * Kp;
+  for (int64_t c = 0; c < Kp; ++c)
+    for (int64_t j = 0; j < Vp; ++j) S[c * Vp + j] *= gl[c];
+  gemm<true>(Kp, Vp, Cp, 1.f, b.kend, 1, Kp, b.u, Vp, S, Vp);
+}
+
+inline void state_in(const float* src, int64_t K, int64_t V, float* S, int64_t Kp, int64_t Vp) {
+  std::fill(S, S + Kp * Vp, 0.f);
+  if (src)
+    for (int64_t c = 0; c < K; ++c) std::memcpy(S + c * Vp, src + c * V, V * sizeof(float));
+}
+
+inline void state_out(const float* S, int64_t Kp, int64_t Vp, float* dst, int64_t K, int64_t V) {
+  for (int64_t c = 0; c < K; ++c) std::memcpy(dst + c * V, S + c * Vp, V * sizeof(float));
+}
+
+struct ChunkScratch {
+  std::vector<float> bufs, state, states;
+};
+
+inline ChunkScratch& chunk_scratch() {
+  static thread_local ChunkScratch s;
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------- forward
+template <typename T, bool PC>
+void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& h0,
+                    const std::vector<Seq>& seqs, const Dims& d, at::Tensor& o, at::Tensor& fin) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const float* h0p = h0.has_value() ? h0->data_ptr<float>() : nullptr;
+  T* op = o.data_ptr<T>();
+  float* fp = fin.data_ptr<float>();
+  const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
+  const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+    DenormalGuard guard;
+    ChunkScratch& cs = chunk_scratch();
+    ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, false);
+    float* S = scratch(cs.state, Kp * Vp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / d.HV, hv = item % d.HV;
+      const Seq& s = seqs[n];
+      state_in(h0p ? h0p + item * KV : nullptr, K, V, S, Kp, Vp);
+      for (int64_t c0 = 0; c0 < s.len; c0 += CH) {
+        const int64_t Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
+        load_chunk<T, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+        prep_chunk(b, Cp);
+        chunk_u(b, Cp, S);
+        gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, b.o, Vp);
+        for (int64_t p = 0; p < Cp / SUB; ++p)
+          gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, b.o + p * SUB * Vp, Vp);
+        for (int64_t i = 0; i < Cc; ++i) {
+          const int64_t row = s.b * d.T + s.start + c0 + i;
+          store_row(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
+        }
+        chunk_state(b, Cp, S);
+      }
+      state_out(S, Kp, Vp, fp + item * KV, K, V);
+    }
+  });
+}
+
+template <bool PC>
+DeltaFwdResult chunk_fwd_entry(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta, double scale,
+                               const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu) {
+  const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
+  const auto seqs = make_seqs(d, cu);
+  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor fin = at::empty({static_cast<int64_t>(seqs.size()), d.HV, d.K, d.V}, q.options().dtype(at::kFloat));
+  dispatch_io(q.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    chunk_fwd_impl<T, PC>(q, k, v, g, beta, scale, h0, seqs, d, o, fin);
+  });
+  if (cu.has_value()) zero_uncovered(seqs, d, o);
+  return {o, fin};
+}
+
+// ------------------------------------------------------------------------------------------- backward
+// One chunk backwards. S0: state at the chunk start; dS: dL/dS at its end, replaced by dL/dS0.
+// Leaves dq, dk (= dkp + dkm), dv (in b.dx's u part scaled), dg per row and dbeta in the buffers.
+inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, float* dS, float* dS0,
+                           float* dv_out, float* dg_out, float* dbeta_out) {
+  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W, nb = Cp / SUB;
+  const float* gl = b.gam + (Cp - 1) * Kp;
+  // O = sc (QG S0 + Aqk U)
+  transpose(S0, Vp, b.s0t, Kp, Kp, Vp);  // s0t [Vp x Kp]
+  gemm<false>(Cp, Kp, Vp, 1.f, b.dos, Vp, 1, b.s0t, Kp, b.dqg, Kp);
+  for (int64_t c = 0; c < Kp; ++c)
+    for (int64_t j = 0; j < Vp; ++j) dS0[c * Vp + j] = gl[c] * dS[c * Vp + j];
+  gemm<true>(Kp, Vp, Cp, 1.f, b.qg, 1, Kp, b.dos, Vp, dS0, Vp);
+  transpose(b.u, Vp, b.ut, CH, Cp, Vp);  // ut [Vp x Cp]
+  std::fill(b.daqk, b.daqk + Cp * CH, 0.f);
+  for (int64_t p = 0; p < nb; ++p) {
+    const int64_t r0 = p * SUB;
+    gemm<false>(SUB, r0 + SUB, Vp, 1.f, b.dos + r0 * Vp, Vp, 1, b.ut, CH, b.daqk + r0 * CH, CH);
+    for (int64_t t = r0; t < r0 + SUB; ++t)
+      for (int64_t j = t + 1; j < r0 + SUB; ++j) b.daqk[t * CH + j] = 0.f;
+  }
+  for (int64_t p = 0; p < nb; ++p) {
+    const int64_t r0 = p * SUB;
+    gemm<false>(SUB, Vp, Cp - r0, 1.f, b.aqk + r0 * CH + r0, 1, CH, b.dos + r0 * Vp, Vp, b.du + r0 * Vp, Vp);
+  }
+  // S1 = Gam_last S0 + Kend^T U
+  float* dgl = b.dgl;  // Kp: dL/dGam_last
+  for (int64_t c = 0; c < Kp; ++c) dgl[c] = dot8(dS + c * Vp, S0 + c * Vp, Vp);
+  transpose(dS, Vp, b.dsT, Kp, Kp, Vp);
+  gemm<false>(Cp, Kp, Vp, 1.f, b.u, Vp, 1, b.dsT, Kp, b.dkend, Kp);
+  gemm<true>(Cp, Vp, Kp, 1.f, b.kend, Kp, 1, dS, Vp, b.du, Vp);
+  // U = u - w S0
+  for (int64_t t = 0; t < Cp; ++t) std::memcpy(b.dx + t * W, b.du + t * Vp, Vp * sizeof(float));
+  gemm<false>(Cp, Kp, Vp, -1.f, b.du, Vp, 1, b.s0t, Kp, b.dx + Vp, W);
+  gemm<true>(Kp, Vp, Cp, -1.f, b.x + Vp, 1, W, b.du, Vp, dS0, Vp);
+  // (I + L) X = R:  dR = (I + L)^{-T} dX (in place in dx), dL = -dR X^T (strictly lower)
+  for (int64_t p = nb - 1; p >= 0; --p) {
+    const int64_t r0 = p * SUB, r1 = r0 + SUB;
+    if (r1 < Cp) gemm<true>(SUB, W, Cp - r1, -1.f, b.lm + r1 * CH + r0, 1, CH, b.dx + r1 * W, W, b.dx + r0 * W, W);
+    for (int64_t s = r1 - 1; s > r0; --s) {
+      const float* ds = b.dx + s * W;
+      for (int64_t t = r0; t < s; ++t) {
+        const float l = b.lm[s * CH + t];
+        float* dt = b.dx + t * W;
+        for (int64_t c = 0; c < W; ++c) dt[c] -= l * ds[c];
+      }
+    }
+  }
+  transpose(b.x, W, b.xt, CH, Cp, W);  // xt [W x Cp]
+  float* dl = b.dakk;
+  std::fill(dl, dl + Cp * CH, 0.f);
+  for (int64_t p = 0; p < nb; ++p) {
+    const int64_t r0 = p * SUB;
+    gemm<false>(SUB, r0 + SUB, W, -1.f, b.dx + r0 * W, W, 1, b.xt, CH, dl + r0 * CH, CH);
+    for (int64_t t = r0; t < r0 + SUB; ++t)
+      for (int64_t j = t; j < r0 + SUB; ++j) dl[t * CH + j] = 0.f;
+  }
+  // RHS = [beta V | beta KG], L = beta A_kk
+  for (int64_t t = 0; t < Cp; ++t) {
+    const float bt = b.beta[t];
+    const float* dr = b.dx + t * W;
+    float db = dot8(dr, b.v + t * Vp, Vp) + dot8(dr + Vp, b.kg + t * Kp, Kp) + dot8(dl + t * CH, b.akk + t * CH, CH);
+    dbeta_out[t] = db;
+    for (int64_t j = 0; j < Vp; ++j) dv_out[t * Vp + j] = bt * dr[j];
+    const float* gt = b.gam + t * Kp;
+    for (int64_t c = 0; c < Kp; ++c) {
+      b.dkp[t * Kp + c] = bt * dr[Vp + c] * gt[c];
+      b.dq[t * Kp + c] = b.dqg[t * Kp + c] * gt[c];
+      b.dkm[t * Kp + c] = b.dkend[t * Kp + c] * b.eend[t * Kp + c];
+    }
+    for (int64_t j = 0; j < CH; ++j) dl[t * CH + j] *= bt;  // now dA_kk
+  }
+  // intra-chunk A_qk, A_kk: diagonal blocks exactly, off-diagonal blocks through the reference factors
+  float* ev = b.ev;
+  for (int64_t p = 0; p < nb; ++p) {
+    const int64_t r0 = p * SUB;
+    for (int64_t t = r0; t < r0 + SUB; ++t) {
+      const float* qt = b.q + t * Kp;
+      const float* kt = b.k + t * Kp;
+      float* dqt = b.dq + t * Kp;
+      float* dkpt = b.dkp + t * Kp;
+      const float dd = b.daqk[t * CH + t];
+      float* dkmt = b.dkm + t * Kp;
+      for (int64_t c = 0; c < Kp; ++c) {
+        dqt[c] += dd * kt[c];
+        dkmt[c] += dd * qt[c];
+      }
+      std::fill(ev, ev + Kp, 1.f);
+      for (int64_t j = t - 1; j >= r0; --j) {
+        const float* aj = b.a + (j + 1) * Kp;
+        const float* kj = b.k + j * Kp;
+        float* dkmj = b.dkm + j * Kp;
+        const float xq = b.daqk[t * CH + j], xk = dl[t * CH + j];
+        for (int64_t c = 0; c < Kp; ++c) {
+          ev[c] *= aj[c];
+          const float kec = ev[c] * kj[c];
+          dqt[c] += xq * kec;
+          dkpt[c] += xk * kec;
+          dkmj[c] += (xq * qt[c] + xk * kt[c]) * ev[c];
+        }
+      }
+    }
+    if (p == 0) continue;
+    block_factors(b, p);
+    gemm<false>(SUB, Kp, r0, 1.f, b.daqk + r0 * CH, CH, 1, b.kr, Kp, b.tmp, Kp);
+    for (int64_t i = 0; i < SUB; ++i)
+      for (int64_t c = 0; c < Kp; ++c) b.dq[(r0 + i) * Kp + c] += b.lf[i * Kp + c] * b.tmp[i * Kp + c];
+    gemm<false>(SUB, Kp, r0, 1.f, dl + r0 * CH, CH, 1, b.kr, Kp, b.tmp, Kp);
+    for (int64_t i = 0; i < SUB; ++i)
+      for (int64_t c = 0; c < Kp; ++c) b.dkp[(r0 + i) * Kp + c] += b.lf[i * Kp + c] * b.tmp[i * Kp + c];
+    gemm<false>(r0, Kp, SUB, 1.f, b.daqk + r0 * CH, 1, CH, b.ql, Kp, b.tmp, Kp);
+    gemm<true>(r0, Kp, SUB, 1.f, dl + r0 * CH, 1, CH, b.kl, Kp, b.tmp, Kp);
+    for (int64_t j = 0; j < r0; ++j)
+      for (int64_t c = 0; c < Kp; ++c) b.dkm[j * Kp + c] += b.rr[j * Kp + c] * b.tmp[j * Kp + c];
+  }
+  // dG = q dq + k (dkp - dkm); the last row also gets Gam_last's and Eend's terms; dg = reverse cumsum
+  float* dgv = b.dgv;
+  for (int64_t t = 0; t < Cp; ++t)
+    for (int64_t c = 0; c < Kp; ++c) {
+      const int64_t i = t * Kp + c;
+      dgv[i] = b.q[i] * b.dq[i] + b.k[i] * (b.dkp[i] - b.dkm[i]);
+    }
+  float* last = dgv + (Cp - 1) * Kp;
+  for (int64_t c = 0; c < Kp; ++c) last[c] += dgl[c] * gl[c];
+  for (int64_t t = 0; t < Cp; ++t)
+    for (int64_t c = 0; c < Kp; ++c) last[c] += b.dkend[t * Kp + c] * b.kend[t * Kp + c];
+  for (int64_t c = 0; c < Kp; ++c) dg_out[(Cp - 1) * Kp + c] = dgv[(Cp - 1) * Kp + c];
+  for (int64_t t = Cp - 2; t >= 0; --t)
+    for (int64_t c = 0; c < Kp; ++c) dg_out[t * Kp + c] = dg_out[(t + 1) * Kp + c] + dgv[t * Kp + c];
+  for (int64_t i = 0; i < Cp * Kp; ++i) b.dkp[i] += b.dkm[i];  // dk
+}
+
+template <typename T, bool PC>
+void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                    const at::Tensor& beta, double scale, const std::optional<at::Tensor>& h0, const at::Tensor& dout,
+                    const std::optional<at::Tensor>& dfin, const std::vector<Seq>& seqs, const Dims& d,
+                    at::Tensor& dqe, at::Tensor& dke, at::Tensor& dv, at::Tensor& dg, at::Tensor& dbeta,
+                    at::Tensor& dh0) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const T* dop = dout.data_ptr<T>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const float* h0p = h0.has_value() ? h0->data_ptr<float>() : nullptr;
+  const float* dfp = dfin.has_value() ? dfin->data_ptr<float>() : nullptr;
+  float* dqp = dqe.data_ptr<float>();
+  float* dkp = dke.data_ptr<float>();
+  T* dvp = dv.data_ptr<T>();
+  float* dgp = dg.data_ptr<float>();
+  float* dbp = dbeta.data_ptr<float>();
+  float* dh0p = dh0.data_ptr<float>();
+  const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
+  const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8), KVp = Kp * Vp;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+    DenormalGuard guard;
+    ChunkScratch& cs = chunk_scratch();
+    ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, true);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / d.HV, hv = item % d.HV;
+      const Seq& s = seqs[n];
+      const int64_t nc = (s.len + CH - 1) / CH;
+      // chunk-start states (nc of them) plus dS, dS0, and per-chunk gradient rows
+      float* st = scratch(cs.states, (nc + 2) * KVp + CH * (Vp + Kp + 1));
+      float* dS = st + nc * KVp;
+      float* dS0 = dS + KVp;
+      float* dvb = dS0 + KVp;
+      float* dgb = dvb + CH * Vp;
+      float* dbb = dgb + CH * Kp;
+      state_in(h0p ? h0p + item * KV : nullptr, K, V, st, Kp, Vp);
+      for (int64_t c = 0; c + 1 < nc; ++c) {
+        const int64_t c0 = c * CH, Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
+        load_chunk<T, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+        prep_chunk(b, Cp);
+        chunk_u(b, Cp, st + c * KVp);
+        std::memcpy(st + (c + 1) * KVp, st + c * KVp, KVp * sizeof(float));
+        chunk_state(b, Cp, st + (c + 1) * KVp);
+      }
+      state_in(dfp ? dfp + item * KV : nullptr, K, V, dS, Kp, Vp);
+      for (int64_t c = nc - 1; c >= 0; --c) {
+        const int64_t c0 = c * CH, Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
+        load_chunk<T, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+        prep_chunk(b, Cp);
+        chunk_u(b, Cp, st + c * KVp);
+        for (int64_t i = 0; i < Cp; ++i) {
+          if (i < Cc) {
+            const int64_t row = s.b * d.T + s.start + c0 + i;
+            load_row(dop + (row * d.HV + hv) * V, b.dos + i * Vp, V, Vp, sc);
+          } else {
+            std::fill(b.dos + i * Vp, b.dos + (i + 1) * Vp, 0.f);
+          }
+        }
+        chunk_bwd_step(b, Cp, sc, st + c * KVp, dS, dS0, dvb, dgb, dbb);
+        std::swap(dS, dS0);
+        for (int64_t i = 0; i < Cc; ++i) {
+          const int64_t row = s.b * d.T + s.start + c0 + i;
+          std::memcpy(dqp + (row * d.HV + hv) * K, b.dq + i * Kp, K * sizeof(float));
+          std::memcpy(dkp + (row * d.HV + hv) * K, b.dkp + i * Kp, K * sizeof(float));
+          store_row(dvp + (row * d.HV + hv) * V, dvb + i * Vp, V);
+          if (PC) {
+            std::memcpy(dgp + (row * d.HV + hv) * K, dgb + i * Kp, K * sizeof(float));
+          } else {
+            float acc = 0.f;
+            for (int64_t c2 = 0; c2 < K; ++c2) acc += dgb[i * Kp + c2];
+            dgp[row * d.HV + hv] = acc;
+          }
+          dbp[row * d.HV + hv] = dbb[i];
+        }
+      }
+      state_out(dS, Kp, Vp, dh0p + item * KV, K, V);
+    }
+  });
+}
+
+template <bool PC>
+DeltaBwdResult chunk_bwd_entry(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta, double scale,
+                               const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu,
+                               const at::Tensor& dout, const std::optional<at::Tensor>& dfin) {
+  const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
+  check_cpu(op, "grad_o", dout);
+  check_cpu(op, "grad_final_state", dfin);
+  TORCH_CHECK(dout.sizes() == v.sizes(), op, ": grad_o must be shaped like o");
+  if (dfin.has_value()) check_float(op, "grad_final_state", *dfin);
+  const auto seqs = make_seqs(d, cu);
+  const int64_t N = static_cast<int64_t>(seqs.size());
+  at::Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dqe = at::empty({d.B, d.T, d.HV, d.K}, f32), dke = at::empty({d.B, d.T, d.HV, d.K}, f32);
+  at::Tensor dv = at::empty_like(v), dg = at::empty_like(g), dbeta = at::empty_like(beta);
+  at::Tensor dh0 = at::empty({N, d.HV, d.K, d.V}, f32);
+  dispatch_io(q.scalar_type(), op, [&](auto tag) {
+    using T = decltype(tag);
+    chunk_bwd_impl<T, PC>(q, k, v, g, beta, scale, h0, dout_c, dfin, seqs, d, dqe, dke, dv, dg, dbeta, dh0);
+  });
+  if (cu.has_value()) {
+    for (at::Tensor* x : {&dqe, &dke, &dv, &dg, &dbeta}) zero_uncovered(seqs, d, *x);
+  }
+  auto red = [&](const at::Tensor& x, at::ScalarType dt) {
+    return d.G == 1 ? x.to(dt) : x.view({d.B, d.T, d.H, d.G, d.K}).sum(3).to(dt);
+  };
+  return {red(dqe, q.scalar_type()), red(dke, k.scalar_type()), dv, dg, dbeta, dh0};
+}
+
+}  // namespace kda_kernels::cpu
