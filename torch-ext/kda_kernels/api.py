@@ -120,6 +120,9 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if list(num_accepted_tokens.shape) != [N] or num_accepted_tokens.dtype.is_floating_point:
             raise ValueError(f"[{op}] num_accepted_tokens must be an integer tensor [N] = [{N}], got "
                              f"{list(num_accepted_tokens.shape)} {num_accepted_tokens.dtype}")
+        if num_accepted_tokens.device != device:
+            raise ValueError(f"[{op}] num_accepted_tokens must be on q's device {device}, got "
+                             f"{num_accepted_tokens.device}")
     if not _validate._tracing():
         P = state_pool.shape[0]
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
