@@ -12,6 +12,7 @@ run_op() executes one core op through the host plan (kernels_src/metal/delta_pla
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -146,10 +147,15 @@ def build(flavor="asan", metal_files=None, defines=()):
     """Returns the path of the emulator executable for these sources, building it if needed."""
     metal_files = [Path(f) for f in (metal_files or KERNEL_METAL)]
     key = _sources_hash(metal_files, flavor, defines)
-    out_dir = CACHE / f"{flavor}-{key}"
+    prefix = flavor + "".join("-" + re.sub(r"\W", "_", d) for d in sorted(defines)) + \
+        ("" if metal_files == KERNEL_METAL else "-" + "_".join(f.stem for f in metal_files))
+    out_dir = CACHE / f"{prefix}-{key}"
     exe = out_dir / "emu_run"
     if exe.exists():
         return exe
+    for old in CACHE.glob(f"{prefix}-*"):  # stale builds of the same configuration
+        if old.is_dir() and len(old.name) == len(prefix) + 17:
+            shutil.rmtree(old, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     fl = FLAVORS[flavor]
     dflags = [f"-D{d}" for d in defines]
@@ -249,13 +255,13 @@ def run_op(op, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, gra
         for name, nbytes in (shrink or {}).items():
             lines.append(f"shrink {name} {nbytes}")
         lines.append("execute")
-        run_job(exe, "\n".join(lines) + "\n", env=env)
+        r = run_job(exe, "\n".join(lines) + "\n", env=env)
         gshape = tuple(g.shape)
         shapes = dict(o=(q.dtype, (B, T, HV, V)), final_state=(torch.float32, (N, HV, K, V)),
                       dq=(q.dtype, (B, T, H, K)), dk=(q.dtype, (B, T, H, K)), dv=(q.dtype, (B, T, HV, V)),
                       dg=(torch.float32, gshape), dbeta=(torch.float32, (B, T, HV)),
                       dh0=(torch.float32, (N, HV, K, V)))
-        out = {}
+        out = {"_stderr": r.stderr}
         for name, (dtype, shape) in shapes.items():
             p = os.path.join(d, name + ".bin")
             if os.path.exists(p):

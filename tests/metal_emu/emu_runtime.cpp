@@ -98,6 +98,7 @@ struct SimdSlot {
   const char* file = nullptr;
   int line = 0;
   long mm = 0;
+  unsigned sgb_epoch = 0;  // completed simdgroup_barrier instances
   uint64_t in[32];
   unsigned arg[32];
   uint64_t out[32];
@@ -109,19 +110,30 @@ struct LaunchDesc {
   Vec3 grid, tg;
 };
 
+struct MemoEntry {
+  bool done;
+  alignas(16) char bytes[256];
+};
+
 struct Worker {
   std::vector<std::unique_ptr<Fiber>> fibers;
+  std::vector<std::vector<MemoEntry>> memo;  // per simdgroup, indexed by the lanes' matrix-op counter
   std::vector<SimdSlot> simds;
   void* sched_sp = nullptr;
   void* sched_tsan = nullptr;
   Fiber* cur = nullptr;
   unsigned nthreads = 0;
   int bar_arrived = 0;
+  unsigned bar_epoch = 0;  // completed threadgroup_barrier instances
   const char* bar_file = nullptr;
   int bar_line = 0;
-  char* sync = nullptr;  // per-threadgroup sync addresses: [0] threadgroup barrier, [1 + sg] simdgroup barrier
+  // Per-threadgroup sync addresses: [parity] threadgroup barrier, [2 + 2 * sg + parity] simdgroup barrier.
+  // Consecutive barrier instances alternate between two addresses: a thread resuming from instance k acquires
+  // only what was released at instance k, not the releases of threads that already reached instance k + 1.
+  char* sync = nullptr;
   const LaunchDesc* L = nullptr;
   Vec3 gpos{};
+  char group_token = 0;  // happens-before from one threadgroup to the next on this worker (they reuse memory)
 };
 
 thread_local Worker* tW = nullptr;
@@ -153,8 +165,12 @@ void to_fiber(Worker* w, Fiber* f) {
   Worker* w = tW;
   Fiber* f = w->cur;
   TSAN_ACQUIRE(&g_launch_start);
+  // The fibers of the previous threadgroup on this worker used the same threadgroup storage (the emulator's
+  // artifact; on the GPU each threadgroup has its own), so order them before this one.
+  TSAN_ACQUIRE(&w->group_token);
   w->L->k->fn(w->L->bufs, f->pos);
   f->state = DONE;
+  TSAN_RELEASE(&w->group_token);
   TSAN_RELEASE(&g_launch_end);
   to_sched(w, f);
   __builtin_unreachable();
@@ -193,8 +209,14 @@ void run_group(Worker* w, Vec3 gpos) {
   const LaunchDesc& L = *w->L;
   w->gpos = gpos;
   w->bar_arrived = 0;
-  for (auto& s : w->simds) s.arrived = 0;
-  w->sync = (char*)std::malloc(2 + w->simds.size());  // fresh addresses: no happens-before between threadgroups
+  w->bar_epoch = 0;
+  for (auto& s : w->simds) {
+    s.arrived = 0;
+    s.sgb_epoch = 0;
+  }
+  w->memo.resize(w->simds.size());
+  for (auto& m : w->memo) m.clear();
+  w->sync = (char*)std::malloc(2 + 2 * w->simds.size());  // fresh addresses: no happens-before between threadgroups
   for (unsigned t = 0; t < w->nthreads; ++t) {
     Fiber* f = w->fibers[t].get();
     f->tid = t;
@@ -362,7 +384,16 @@ Register::Register(const KernelInfo& info) { registry()[info.name] = info; }
 
 unsigned current_lane() { return tW->cur->lane; }
 
-void note_matrix_op() { tW->cur->mm++; }
+void* matrix_memo(bool* first) {
+  Worker* w = tW;
+  Fiber* f = w->cur;
+  auto& log = w->memo[f->sg];
+  size_t i = size_t(f->mm++);
+  if (log.size() <= i) log.resize(i + 1, MemoEntry{false, {}});
+  *first = !log[i].done;
+  log[i].done = true;
+  return log[i].bytes;
+}
 
 void fail(const char* fmt, ...) {
   std::fflush(stdout);
@@ -381,7 +412,10 @@ void fail(const char* fmt, ...) {
   _exit(3);
 }
 
+bool drop_barrier(const char* file, int line);
+
 uint64_t simd_collective(Coll op, Tag tag, uint64_t payload, unsigned arg, const char* file, int line) {
+  if (op == Coll::SgBarrier && drop_barrier(file, line)) return 0;
   Worker* w = tW;
   Fiber* f = w->cur;
   SimdSlot& s = w->simds[f->sg];
@@ -401,21 +435,32 @@ uint64_t simd_collective(Coll op, Tag tag, uint64_t payload, unsigned arg, const
   }
   s.in[f->lane] = payload;
   s.arg[f->lane] = arg;
-  if (op == Coll::SgBarrier) TSAN_RELEASE(w->sync + 1 + f->sg);
+  char* sync = w->sync + 2 + 2 * f->sg + (s.sgb_epoch & 1);
+  if (op == Coll::SgBarrier) TSAN_RELEASE(sync);
   if (++s.arrived < 32) {
     f->state = WAIT_SIMD;
     to_sched(w, f);
   } else {
     compute(s);
     s.arrived = 0;
+    if (op == Coll::SgBarrier) s.sgb_epoch++;
     for (unsigned l = 0; l < 32; ++l) w->fibers[f->sg * 32 + l]->state = RUN;
   }
-  if (op == Coll::SgBarrier) TSAN_ACQUIRE(w->sync + 1 + f->sg);
+  if (op == Coll::SgBarrier) TSAN_ACQUIRE(sync);
   return s.out[f->lane];
 }
 
+bool drop_barrier(const char* file, int line) {
+  if (g_drop_barrier.empty() || g_drop_barrier != std::string(base_name(file)) + ":" + std::to_string(line))
+    return false;
+  static bool said = false;
+  if (!said) std::fprintf(stderr, "EMU: dropping the barrier at %s\n", g_drop_barrier.c_str());
+  said = true;
+  return true;
+}
+
 void threadgroup_barrier(const char* file, int line) {
-  if (!g_drop_barrier.empty() && g_drop_barrier == std::string(base_name(file)) + ":" + std::to_string(line)) return;
+  if (drop_barrier(file, line)) return;
   Worker* w = tW;
   Fiber* f = w->cur;
   if (w->bar_arrived == 0) {
@@ -425,15 +470,17 @@ void threadgroup_barrier(const char* file, int line) {
     fail("thread %u reached threadgroup_barrier at %s:%d while others wait at %s:%d", f->tid, base_name(file), line,
          base_name(w->bar_file), w->bar_line);
   }
-  TSAN_RELEASE(w->sync);
+  char* sync = w->sync + (w->bar_epoch & 1);
+  TSAN_RELEASE(sync);
   if ((unsigned)++w->bar_arrived < w->nthreads) {
     f->state = WAIT_BAR;
     to_sched(w, f);
   } else {
     w->bar_arrived = 0;
+    w->bar_epoch++;
     for (unsigned t = 0; t < w->nthreads; ++t) w->fibers[t]->state = RUN;
   }
-  TSAN_ACQUIRE(w->sync);
+  TSAN_ACQUIRE(sync);
 }
 
 }  // namespace emu
@@ -539,6 +586,47 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s JOBFILE | --list\n", argv[0]);
     return 2;
+  }
+  if (std::string(argv[1]) == "--check-plans") {
+    // every plan of every op, dtype and optional-input combination binds what its kernels declare
+    using namespace kda_kernels::metal;
+    int nplans = 0, nlaunch = 0;
+    for (const char* fam : {"kda", "gdn"})
+      for (const char* mode : {"_recurrent_fwd", "_chunk_fwd", "_recurrent_bwd", "_chunk_bwd", "_recurrent_serve"})
+        for (Dt dt : {Dt::f32, Dt::f16, Dt::bf16})
+          for (int flags = 0; flags < 16; ++flags)
+            for (int kv : {32, 64, 128, 100, 256}) {
+              Problem pb;
+              pb.dt = dt;
+              pb.B = 2; pb.T = 5; pb.H = 1; pb.HV = 2; pb.K = kv; pb.V = kv; pb.N = 2;
+              pb.has_h0 = flags & 1; pb.has_cu = flags & 2; pb.has_dht = flags & 4; pb.has_nat = flags & 8;
+              pb.idx_cols = (flags & 8) ? 3 : 0;
+              pb.pool_rows = 4;
+              std::string op = std::string(fam) + mode;
+              Plan plan;
+              try {
+                plan = make_plan(op, pb);
+              } catch (const std::invalid_argument& e) {
+                if (std::string(mode) == "_recurrent_serve") continue;  // not implemented: PyTorch fallback
+                fail("%s: %s", op.c_str(), e.what());
+              }
+              ++nplans;
+              for (auto& l : plan.launches) {
+                std::vector<RawBind> rb;
+                for (auto& b : l.binds) rb.push_back(RawBind{b.index, b.buffer, b.param});
+                check_binds(find_kernel(l.kernel), rb, true);
+                bool known = false;
+                for (auto& b : l.binds) {
+                  known = b.buffer == "params" || b.buffer == "dummy";
+                  for (auto& bs : plan.buffers) known |= bs.name == b.buffer;
+                  if (!known) fail("%s: launch of %s binds undeclared buffer %s", op.c_str(), l.kernel.c_str(),
+                                   b.buffer.c_str());
+                }
+                ++nlaunch;
+              }
+            }
+    std::printf("checked %d plans, %d launches\n", nplans, nlaunch);
+    return 0;
   }
   if (std::string(argv[1]) == "--list") {
     for (auto& kv : emu::registry()) {

@@ -45,8 +45,11 @@ enum class Tag : int { F32 = 1, I32, U32 };
 uint64_t simd_collective(Coll op, Tag tag, uint64_t payload, unsigned arg, const char* file, int line);
 void threadgroup_barrier(const char* file, int line);
 unsigned current_lane();
-// Counts simdgroup_matrix operations per lane; lanes of a simdgroup must agree at every rendezvous.
-void note_matrix_op();
+// Every simdgroup_matrix operation of a lane calls this once. It counts the lane's matrix operations (lanes of a
+// simdgroup must agree at every rendezvous: uniform control flow) and returns the simdgroup's 256-byte record of
+// that operation; *first is true for the first lane to get there, which computes (and, for stores, writes) the
+// result; the other lanes copy it. Lanes thus see one matrix value, computed once, as on the GPU.
+void* matrix_memo(bool* first);
 [[noreturn]] void fail(const char* fmt, ...);
 
 typedef void (*KernelFn)(void** bufs, const ThreadPos& tp);
