@@ -38,6 +38,12 @@ def _prepare(op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_g
         _validate.check_gate_params(op, A_log, dt_bias, HV, K, per_channel, q.device)
     if lower_bound is not None and not use_gate_in_kernel:
         raise ValueError(f"[{op}] lower_bound applies to the fused gate: pass use_gate_in_kernel=True with it")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"[{op}] lower_bound must be a Python float or None, got {type(lower_bound).__name__}")
+        if not (-float("inf") < lower_bound < 0):
+            # the gate is lower_bound * sigmoid(...): a bound >= 0 would make the decay >= 1 (a growing state)
+            raise ValueError(f"[{op}] lower_bound must be a finite number < 0, got {lower_bound}")
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     if use_beta_sigmoid_in_kernel:
