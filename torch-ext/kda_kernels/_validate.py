@@ -131,10 +131,13 @@ def check_gate_params(op, A_log, dt_bias, HV, K, per_channel, device):
         raise ValueError(f"[{op}] A_log must be [HV] = [{HV}], got {_shape(A_log)}")
     if dt_bias is not None:
         tensor("dt_bias", dt_bias, op)
-        want = HV * K if per_channel else HV
-        if dt_bias.numel() != want or dt_bias.dim() > 2:
-            desc = f"[HV*K] = [{HV * K}] (or [HV, K])" if per_channel else f"[HV] = [{HV}]"
+        allowed = [[HV * K], [HV, K]] if per_channel else [[HV]]
+        if _shape(dt_bias) not in allowed:
+            desc = f"[HV*K] = [{HV * K}] (or [HV, K] = [{HV}, {K}])" if per_channel else f"[HV] = [{HV}]"
             raise ValueError(f"[{op}] dt_bias must be {desc}, got {_shape(dt_bias)}")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is not None and x.dtype not in _FLOATS:
+            raise TypeError(f"[{op}] {name} must be float32, bfloat16 or float16, got {_name(x.dtype)}")
     same_device(op, q_device_ref=torch.empty(0, device=device), A_log=A_log, dt_bias=dt_bias)
 
 
