@@ -1,0 +1,4 @@
+// Recurrent forward / serving kernels with f32 state storage (see delta_fwd_launch.cuh).
+#include "delta_fwd_launch.cuh"
+
+KDA_INSTANTIATE_LAUNCH_FWD(float)

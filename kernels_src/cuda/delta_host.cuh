@@ -1,0 +1,276 @@
+// Host side of the CUDA backend: checks, allocation and kernel dispatch shared by the KDA (per-channel gate)
+// and GDN (per-head gate) entry points. Entry points are defined in {kda,gdn}_recurrent_{fwd,serve,bwd}.cu.
+#pragma once
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "delta_recurrent_bwd.cuh"
+#include "delta_recurrent_fwd.cuh"  // FwdParams; kernels are instantiated in delta_fwd_launch_*.cu
+#include "torch_binding.h"
+
+namespace kda_kernels {
+namespace cuda {
+
+inline int in_dtype_of(const at::Tensor& x, const char* op) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kBFloat16: return kBF16;
+    case at::kHalf: return kF16;
+    default: TORCH_CHECK(false, "[", op, "] q, k, v must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+  return kF32;
+}
+
+inline int env_int(const char* name, int dflt) {
+  const char* s = std::getenv(name);
+  return (s && *s) ? std::atoi(s) : dflt;
+}
+
+inline int num_sms() {
+  int dev = 0, sms = 132;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+inline int kmax_for(int K, const char* op) {
+  TORCH_CHECK(K >= 1 && K <= 256, "[", op, "] the CUDA kernels support head dim K <= 256, got K=", K);
+  return K <= 128 ? 128 : 256;
+}
+
+struct Shapes {
+  int B, T, H, K, HV, V, N;
+};
+
+inline Shapes check_core(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, const std::optional<at::Tensor>& cu,
+                         bool per_channel) {
+  TORCH_CHECK(q.is_cuda(), "[", op, "] expects CUDA tensors");
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4, "[", op, "] bad q/k/v shapes");
+  Shapes s{};
+  s.B = q.size(0); s.T = q.size(1); s.H = q.size(2); s.K = q.size(3); s.HV = v.size(2); s.V = v.size(3);
+  TORCH_CHECK(s.H > 0 && s.HV % s.H == 0, "[", op, "] HV must be a multiple of H");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "[", op,
+              "] q, k, v must share one dtype");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat, "[", op,
+              "] g and beta must be float32");
+  TORCH_CHECK(per_channel ? g.dim() == 4 : g.dim() == 3, "[", op, "] bad g shape");
+  for (const at::Tensor* x : {&q, &k, &v, &g, &beta})
+    TORCH_CHECK(x->is_contiguous() && x->device() == q.device(), "[", op,
+                "] inputs must be contiguous and on one device");
+  if (cu.has_value()) {
+    TORCH_CHECK(cu->scalar_type() == at::kLong && cu->is_contiguous() && cu->device() == q.device(), "[", op,
+                "] cu_seqlens must be a contiguous int64 tensor on q's device");
+    TORCH_CHECK(s.B == 1, "[", op, "] cu_seqlens needs B == 1");
+    s.N = cu->numel() - 1;
+  } else {
+    s.N = s.B;
+  }
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------------ forward
+// Columns per warp. K-first states always use 16 (4 lanes x 16 B cover 64 contiguous bytes of a row; with 4
+// columns a lane would read 16 B of its own row, half a 32 B sector, which measured 1.2x-2x slower on an H200).
+// V-first states use 4 (8 lanes x 16 B = 128 contiguous bytes of a column) when few (sequence, head) pairs would
+// leave SMs idle, else 16. K > 128 always uses 4 (register budget). KDA_CUDA_FWD_CW=4|16 overrides.
+inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
+  if (kmax > 128) return 4;
+  const int cw = env_int("KDA_CUDA_FWD_CW", 0);
+  if (cw == 4 || cw == 16) return cw;
+  if (!v_first) return 16;
+  const int64_t heads = static_cast<int64_t>(N) * HV;
+  return heads * ((V + 15) / 16) >= 8LL * num_sms() ? 16 : 4;
+}
+
+// Defined in delta_fwd_launch.cuh and explicitly instantiated in delta_fwd_launch_{f32,bf16,f16}.cu (one file
+// per state dtype, so the kernels compile in parallel).
+template <bool PC, bool VF, typename S>
+void launch_fwd(FwdParams& p, int kmax, cudaStream_t st);
+
+inline FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, double scale, const std::optional<at::Tensor>& cu,
+                                 const Shapes& s, at::Tensor& o, const char* op) {
+  FwdParams p{};
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>(); p.o = o.data_ptr();
+  p.in_dtype = in_dtype_of(q, op);
+  p.cu_seqlens = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
+  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+template <bool PC>
+DeltaFwdResult recurrent_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, double scale,
+                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu) {
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  const int kmax = kmax_for(s.K, op);
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
+  at::Tensor final_state = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
+  FwdParams p = make_fwd_params(q, k, v, g, beta, scale, cu, s, o, op);
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
+                "] initial_state must be contiguous float32");
+    p.s_in = initial_state->data_ptr();
+  }
+  p.s_out = final_state.data_ptr();
+  p.serve = false;
+  p.vec = (s.V % 4 == 0) && reinterpret_cast<uintptr_t>(p.s_out) % 16 == 0 &&
+          (p.s_in == nullptr || reinterpret_cast<uintptr_t>(p.s_in) % 16 == 0);
+  launch_fwd<PC, false, float>(p, kmax, c10::cuda::getCurrentCUDAStream().stream());
+  return {o, final_state};
+}
+
+template <bool PC>
+at::Tensor recurrent_serve(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& g, const at::Tensor& beta, double scale, at::Tensor& pool,
+                           const at::Tensor& idx, const std::optional<at::Tensor>& num_accepted,
+                           const std::optional<at::Tensor>& cu, bool state_v_first) {
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  const int kmax = kmax_for(s.K, op);
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(pool.is_contiguous() && pool.device() == q.device() && pool.dim() == 4, "[", op,
+              "] state_pool must be a contiguous 4-D tensor on q's device");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && (idx.dim() == 1 || idx.dim() == 2) &&
+                  idx.size(0) == s.N, "[", op, "] ssm_state_indices must be contiguous int64 [N] or [N, T]");
+  at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
+  FwdParams p = make_fwd_params(q, k, v, g, beta, scale, cu, s, o, op);
+  p.s_in = pool.data_ptr();
+  p.s_out = pool.data_ptr();
+  p.serve = true;
+  p.idx = idx.data_ptr<int64_t>();
+  p.idx_cols = idx.dim() == 2 ? static_cast<int>(idx.size(1)) : 0;
+  if (num_accepted.has_value()) {
+    TORCH_CHECK(num_accepted->scalar_type() == at::kLong && num_accepted->is_contiguous(), "[", op,
+                "] num_accepted_tokens must be contiguous int64");
+    p.num_accepted = num_accepted->data_ptr<int64_t>();
+  }
+  const int inner = state_v_first ? s.K : s.V;
+  const size_t esize = pool.element_size();
+  p.vec = (inner % 4 == 0) && (reinterpret_cast<uintptr_t>(pool.data_ptr()) % (4 * esize) == 0);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  const auto dt = pool.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "[", op,
+              "] state_pool must be float32, bfloat16 or float16");
+  if (state_v_first) {
+    if (dt == at::kFloat) launch_fwd<PC, true, float>(p, kmax, st);
+    else if (dt == at::kBFloat16) launch_fwd<PC, true, __nv_bfloat16>(p, kmax, st);
+    else launch_fwd<PC, true, __half>(p, kmax, st);
+  } else {
+    if (dt == at::kFloat) launch_fwd<PC, false, float>(p, kmax, st);
+    else if (dt == at::kBFloat16) launch_fwd<PC, false, __nv_bfloat16>(p, kmax, st);
+    else launch_fwd<PC, false, __half>(p, kmax, st);
+  }
+  return o;
+}
+
+// ------------------------------------------------------------------------------------------------ backward
+template <bool PC, int CW, int KMAX>
+void launch_bwd_one(BwdParams& p, int warps_per_block, cudaStream_t st) {
+  constexpr int NK = KMAX / 32;
+  const size_t smem = static_cast<size_t>(warps_per_block) * NK * CW * 32 * sizeof(float) +
+                      static_cast<size_t>(warps_per_block) * kBwdSegment * (3 * KMAX + 1) * sizeof(float);
+  auto kern = delta_recurrent_bwd_kernel<PC, CW, KMAX>;
+  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                             static_cast<int>(smem)));
+  const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * p.split;
+  if (blocks == 0) return;
+  kern<<<static_cast<unsigned>(blocks), 32 * warps_per_block, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+inline at::Tensor sum_gva(const at::Tensor& x, int B, int T, int H, int HV, int K) {
+  // [B*T, HV, K] fp32 -> [B, T, H, K] fp32, summing the value heads that share a q/k head
+  auto y = x.view({B, T, HV, K});
+  if (HV == H) return y;
+  return y.view({B, T, H, HV / H, K}).sum(3);
+}
+
+template <bool PC>
+DeltaBwdResult recurrent_bwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, double scale,
+                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  const int kmax = kmax_for(s.K, op);
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type(), "[", op,
+              "] grad_o must be contiguous with q's dtype");
+  const int cw = (kmax == 128 && env_int("KDA_CUDA_BWD_CW", 16) == 16) ? 16 : 8;
+  int wpb = env_int("KDA_CUDA_BWD_WARPS", 0);
+  const int slices_needed = (s.V + cw - 1) / cw;
+  const int sms = num_sms();
+  if (wpb != 1 && wpb != 2 && wpb != 4) {
+    wpb = 4;
+    // fewer warps per block (more blocks per head) when there are few (sequence, head) pairs
+    while (wpb > 1 && static_cast<int64_t>(s.N) * s.HV * ((slices_needed + wpb - 1) / wpb) < 2LL * sms) wpb /= 2;
+  }
+  wpb = std::min(wpb, std::max(1, slices_needed));
+  const int split = (slices_needed + wpb - 1) / wpb;
+  const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
+  auto f32 = q.options().dtype(at::kFloat);
+  const bool atomic = split > 1;
+  auto make_acc = [&](std::initializer_list<int64_t> shape) {
+    return atomic ? at::zeros(shape, f32) : at::empty(shape, f32);
+  };
+  at::Tensor dq = make_acc({tokens, s.HV, s.K});
+  at::Tensor dk = make_acc({tokens, s.HV, s.K});
+  at::Tensor dg = make_acc({tokens, s.HV, s.K});
+  at::Tensor dbeta = make_acc({s.B, s.T, s.HV});
+  at::Tensor dv = at::empty_like(v);
+  at::Tensor dh0 = at::empty({s.N, s.HV, s.K, s.V}, f32);
+  const int64_t tiles = (tokens / kBwdSegment + s.N) * s.HV * static_cast<int64_t>(split * wpb);
+  at::Tensor ckpt = at::empty({std::max<int64_t>(tiles, 1) * 32 * (kmax / 32) * cw}, f32);
+  at::Tensor u = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
+
+  BwdParams p{};
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>(); p.grad_o = grad_o.data_ptr();
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
+                "] initial_state must be contiguous float32");
+    p.h0 = initial_state->data_ptr<float>();
+  }
+  at::Tensor dht;
+  if (grad_final_state.has_value() && grad_final_state->defined()) {
+    dht = grad_final_state->to(at::kFloat).contiguous();
+    p.dht = dht.data_ptr<float>();
+  }
+  p.in_dtype = in_dtype_of(q, op);
+  p.cu_seqlens = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
+  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
+  p.scale = static_cast<float>(scale);
+  p.split = split;
+  p.slices = split * wpb;
+  p.ckpt = ckpt.data_ptr<float>();
+  p.u = u.data_ptr<float>();
+  p.dq = dq.data_ptr<float>(); p.dk = dk.data_ptr<float>(); p.dg = dg.data_ptr<float>();
+  p.dbeta = dbeta.data_ptr<float>();
+  p.dv = dv.data_ptr();
+  p.dh0 = dh0.data_ptr<float>();
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  if (kmax == 128) {
+    if (cw == 16) launch_bwd_one<PC, 16, 128>(p, wpb, st);
+    else launch_bwd_one<PC, 8, 128>(p, wpb, st);
+  } else {
+    launch_bwd_one<PC, 8, 256>(p, wpb, st);
+  }
+  at::Tensor dq_out = sum_gva(dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+  at::Tensor dk_out = sum_gva(dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dg_out = PC ? dg.view({s.B, s.T, s.HV, s.K}) : dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
+  return {dq_out, dk_out, dv, dg_out.contiguous(), dbeta, dh0};
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels
