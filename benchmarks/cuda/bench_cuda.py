@@ -1,0 +1,209 @@
+"""CUDA backend vs flash-linear-attention 0.6.0, side by side in one process on one GPU.
+
+    python3 benchmarks/cuda/bench_cuda.py            # writes $OUT (or benchmarks/results) cuda_bench.json + PNG
+
+Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
+output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
+and under CUDA graphs (do_bench_cudagraph), with the effective state bandwidth = bytes of state read + written / time,
+next to a 4 GB device-to-device copy measured in the same run (the ceiling). Ours is timed three ways: the core op
+(what a kernel-hub layer calls), the in-place serving op on fp32 and bf16 pools, and the public Python API with
+fla's exact inputs. Prefill/training: recurrent fwd and fwd+bwd at B1 T8192 H16 HV32 and B8 T1024.
+"""
+import json
+import os
+import sys
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+DEV = "cuda"
+RES = []
+
+
+def rec(**kw):
+    RES.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def load_ours():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    path = ROOT / "build" / f"torch{major}{minor}-cxx11-cu{torch.version.cuda.replace('.', '')[:3]}-x86_64-linux"
+    spec = importlib.util.spec_from_file_location("kda_cuda_bench", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.BACKEND == "cuda" and mod.NATIVE
+    return mod
+
+
+def mk(B, T, H, HV, K, V, kda, req=False):
+    q = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
+    g = (F.logsigmoid(torch.randn(B, T, HV, K, device=DEV)) / 8) if kda else \
+        (F.logsigmoid(torch.randn(B, T, HV, device=DEV)) / 8)
+    beta = torch.rand(B, T, HV, device=DEV).bfloat16()
+    return [x.requires_grad_(req) for x in (q, k, v, g.float(), beta)]
+
+
+def timed(fn, graphs=True):
+    fn()
+    torch.cuda.synchronize()
+    eager = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    graph = None
+    if graphs:
+        try:
+            graph = do_bench_cudagraph(fn, rep=200, return_mode="median")
+        except Exception as e:  # noqa: BLE001
+            print("graph failed:", repr(e)[:200])
+    return eager, graph
+
+
+def main():
+    torch.manual_seed(0)
+    OUT.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        meta["fla"] = getattr(fla, "__version__", "?")
+        have_fla = True
+    except Exception as e:  # noqa: BLE001
+        print("fla unavailable:", repr(e)[:300])
+        have_fla = False
+    import triton
+    meta["triton"] = triton.__version__
+    print(json.dumps(meta))
+    kk = load_ours()
+    ops = kk.ops
+
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=DEV)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), return_mode="median")
+    copy_tbps = 2 * x.numel() * 2 / ms / 1e9
+    rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
+    del x, y
+
+    H, HV, K, V = 16, 32, 128, 128
+    scale = K ** -0.5
+    for B in (1, 64, 256):
+        for fam in ("kda", "gdn"):
+            kda = fam == "kda"
+            q, k, v, g, beta = mk(B, 1, H, HV, K, V, kda)
+            beta32 = beta.float()
+            h0 = torch.randn(B, HV, K, V, device=DEV)
+            fp32_bytes = B * HV * K * V * 4 * 2
+            bf16_bytes = fp32_bytes // 2
+
+            def row(impl, eager, graph, nbytes):
+                rec(name=f"{fam}_decode", impl=impl, B=B, H=H, HV=HV, K=K, V=V,
+                    eager_ms=round(eager, 5), graph_ms=None if graph is None else round(graph, 5),
+                    eager_TBps=round(nbytes / eager / 1e9, 3),
+                    graph_TBps=None if graph is None else round(nbytes / graph / 1e9, 3))
+
+            with torch.inference_mode():
+                if have_fla:
+                    f = fused_recurrent_kda if kda else fused_recurrent_gated_delta_rule
+                    e, gr = timed(lambda: f(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    row("fla_0.6.0", e, gr, fp32_bytes)
+                core = getattr(ops, f"{fam}_recurrent_fwd")
+                e, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None))
+                row("ours_core_fwd", e, gr, fp32_bytes)
+                api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
+                e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                row("ours_public_api", e, gr, fp32_bytes)
+                serve = getattr(ops, f"{fam}_recurrent_serve")
+                idx = torch.arange(B, device=DEV)
+                pool32 = h0.clone()
+                e, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool32, idx, None, None, False))
+                row("ours_serve_fp32_pool", e, gr, fp32_bytes)
+                pool16 = h0.to(torch.bfloat16)
+                e, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool16, idx, None, None, False))
+                row("ours_serve_bf16_pool", e, gr, bf16_bytes)
+                poolvf = h0.transpose(-1, -2).contiguous()
+                e, gr = timed(lambda: serve(q, k, v, g, beta32, scale, poolvf, idx, None, None, True))
+                row("ours_serve_fp32_pool_vfirst", e, gr, fp32_bytes)
+            del h0, pool32, pool16, poolvf
+            torch.cuda.empty_cache()
+
+    # prefill / training shapes: recurrent fwd, fwd+bwd; fla chunk for reference
+    for (B, T) in ((1, 8192), (8, 1024)):
+        for fam in ("kda", "gdn"):
+            kda = fam == "kda"
+            q, k, v, g, beta = mk(B, T, H, HV, K, V, kda)
+            beta32 = beta.float()
+            do = torch.randn_like(v)
+            with torch.inference_mode():
+                core = getattr(ops, f"{fam}_recurrent_fwd")
+                e, gr = timed(lambda: core(q, k, v, g, beta32, scale, None, None))
+                rec(name=f"{fam}_recurrent_fwd", impl="ours", B=B, T=T, eager_ms=round(e, 4),
+                    graph_ms=None if gr is None else round(gr, 4))
+                bwd = getattr(ops, f"{fam}_recurrent_bwd")
+                e2, _ = timed(lambda: bwd(q, k, v, g, beta32, scale, None, None, do, None), graphs=False)
+                rec(name=f"{fam}_recurrent_bwd", impl="ours", B=B, T=T, eager_ms=round(e2, 4),
+                    bwd_over_fwd=round(e2 / e, 2))
+                if have_fla:
+                    fc = chunk_kda if kda else chunk_gated_delta_rule
+                    e, gr = timed(lambda: fc(q, k, v, g, beta, output_final_state=True))
+                    rec(name=f"{fam}_chunk_fwd", impl="fla_0.6.0", B=B, T=T, eager_ms=round(e, 4),
+                        graph_ms=None if gr is None else round(gr, 4))
+            torch.cuda.empty_cache()
+
+    out = {"meta": meta, "results": RES}
+    (OUT / "cuda_bench.json").write_text(json.dumps(out, indent=1))
+    table(out)
+    try:
+        plot(out)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", repr(e)[:200])
+
+
+def table(out):
+    res = out["results"]
+    fla = {(r["name"], r["B"]): r for r in res if r.get("impl") == "fla_0.6.0" and "decode" in r["name"]}
+    print("\n| op | B | impl | eager ms | graph ms | graph TB/s | x fla (graph time) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res:
+        if "decode" not in r["name"]:
+            continue
+        f = fla.get((r["name"], r["B"]))
+        ratio = (f["graph_ms"] / r["graph_ms"]) if f and r.get("graph_ms") and f.get("graph_ms") else None
+        print(f"| {r['name']} | {r['B']} | {r['impl']} | {r['eager_ms']:.4f} | {r.get('graph_ms')} | "
+              f"{r.get('graph_TBps')} | {'' if ratio is None else f'{ratio:.2f}'} |")
+    print()
+    for r in res:
+        if "decode" not in r["name"]:
+            print(r)
+
+
+def plot(out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = [r for r in out["results"] if "decode" in r["name"] and r.get("graph_TBps")]
+    copy = [r for r in out["results"] if r["name"].startswith("d2d")][0]["TBps"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    impls = ["fla_0.6.0", "ours_core_fwd", "ours_serve_fp32_pool", "ours_serve_bf16_pool"]
+    for ax, fam in zip(axes, ("kda", "gdn")):
+        for i, impl in enumerate(impls):
+            rr = [r for r in res if r["name"] == f"{fam}_decode" and r["impl"] == impl]
+            xs = [j + i * 0.2 for j in range(len(rr))]
+            ax.bar(xs, [r["graph_TBps"] for r in rr], width=0.2, label=impl)
+            ax.set_xticks([j + 0.3 for j in range(len(rr))], [f"B={r['B']}" for r in rr])
+        ax.axhline(copy, color="k", ls="--", lw=1, label=f"d2d copy {copy:.2f} TB/s")
+        ax.set_title(f"{fam.upper()} decode, H16 HV32 K=V=128, CUDA graphs ({out['meta']['gpu']})")
+        ax.set_ylabel("state bytes read+written / time (TB/s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "cuda_decode_bandwidth.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
