@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "delta_plan.h"
 
@@ -118,21 +119,32 @@ Buffers run_plan(const Plan& plan, Buffers bufs, const at::Tensor& like) {
     bufs[b.name] = b.zero ? at::zeros({b.bytes}, opts) : at::empty({b.bytes}, opts);
   }
   if (plan.launches.empty()) return bufs;
+  // Pipelines and checks before encoding: nothing may throw inside the dispatch block.
+  std::vector<id<MTLComputePipelineState>> psos;
+  for (const auto& l : plan.launches) {
+    id<MTLComputePipelineState> pso = pipeline(l.kernel);
+    const NSUInteger threads = NSUInteger(l.tg[0]) * l.tg[1] * l.tg[2];
+    TORCH_CHECK(pso.maxTotalThreadsPerThreadgroup >= threads, "kda-kernels Metal: ", l.kernel, " allows ",
+                pso.maxTotalThreadsPerThreadgroup, " threads per threadgroup, the plan needs ", threads);
+    for (const auto& b : l.binds)
+      TORCH_CHECK(b.buffer == "params" || bufs.count(b.buffer), "kda-kernels Metal: unknown buffer ", b.buffer);
+    psos.push_back(pso);
+  }
+  const Plan* pl = &plan;
+  const Buffers* bp = &bufs;
+  const std::vector<id<MTLComputePipelineState>>* pp = &psos;
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   dispatch_sync(stream->queue(), ^() {
     @autoreleasepool {
       id<MTLComputeCommandEncoder> enc = stream->commandEncoder();
-      for (const auto& l : plan.launches) {
-        id<MTLComputePipelineState> pso = pipeline(l.kernel);
-        const NSUInteger threads = NSUInteger(l.tg[0]) * l.tg[1] * l.tg[2];
-        TORCH_CHECK(pso.maxTotalThreadsPerThreadgroup >= threads, "kda-kernels Metal: ", l.kernel, " allows ",
-                    pso.maxTotalThreadsPerThreadgroup, " threads per threadgroup, the plan needs ", threads);
-        [enc setComputePipelineState:pso];
+      for (size_t i = 0; i < pl->launches.size(); ++i) {
+        const LaunchSpec& l = pl->launches[i];
+        [enc setComputePipelineState:(*pp)[i]];
         for (const auto& b : l.binds) {
           if (b.buffer == "params") {
             [enc setBytes:&l.params length:sizeof(DeltaParams) atIndex:NSUInteger(b.index)];
           } else {
-            const at::Tensor& t = bufs.at(b.buffer);
+            const at::Tensor& t = bp->at(b.buffer);
             [enc setBuffer:mtl_buffer(t)
                     offset:NSUInteger(t.storage_offset() * t.element_size())
                    atIndex:NSUInteger(b.index)];
