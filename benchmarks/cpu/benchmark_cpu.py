@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""CPU benchmark: kda-kernels' native CPU backend side by side with every CPU peer, in one run.
+
+    .venv/bin/python benchmarks/cpu/benchmark_cpu.py            # full run (about 10 minutes on 2 cores)
+    .venv/bin/python benchmarks/cpu/benchmark_cpu.py --quick    # T=512 only, fewer repetitions
+    .venv/bin/python benchmarks/cpu/benchmark_cpu.py --setup-executorch   # create .venv-executorch first
+
+Peers (B=1, H=HV=32, K=V=128, fp32; per-channel gate "kda" and per-head gate "gdn"):
+  * ExecuTorch's llama::gated_delta_rule CPU op (forward only), run in its own venv .venv-executorch
+    (`python3 -m venv .venv-executorch && .venv-executorch/bin/pip install executorch==1.5.1 torch==<ours>`,
+    which --setup-executorch does), in a subprocess (benchmarks/cpu/executorch_worker.py) that returns JSON;
+  * Transformers' own torch fallbacks: chunk_kimi_delta_attention / recurrent_kimi_delta_attention
+    (models/kimi_linear) and torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule (models/qwen3_next);
+  * this project's pure-PyTorch path (the torch-universal variant).
+Ours: the cpu variant's public chunk_kda / chunk_gated_delta_rule (prefill, fwd and fwd+bwd) and, for decode,
+the serving op (`{kda,gdn}_recurrent_serve`, in place on a state pool: the like-for-like of ExecuTorch's op)
+and the public fused_recurrent_* with ssm_state_indices (which adds the Python API's argument checks).
+Cases: decode (T=1) and prefill T=512 and T=4096, forward and forward+backward where the peer has one, on 1 and
+2 threads (torch.set_num_threads). Times are the minimum wall-clock over repetitions (a shared machine only
+ever adds time), reported per token. A peer whose estimated call time exceeds --max-call-s is not run, and
+the table says so. Results: benchmarks/results/cpu_<tag>.json and cpu_<tag>.png.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+ET_VENV = ROOT / ".venv-executorch"
+H, K, V = 32, 128, 128
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def setup_executorch():
+    py = ET_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(ET_VENV)], check=True)
+    tv = torch.__version__.split("+")[0]
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "executorch==1.5.1", f"torch=={tv}"], check=True)
+
+
+def load_variant(path):
+    ns = json.loads((path / "metadata.json").read_text())["id"]
+    if ns in sys.modules:
+        return sys.modules[ns]
+    spec = importlib.util.spec_from_file_location(ns, path / "__init__.py", submodule_search_locations=[str(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[ns] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def variants(build):
+    def find():
+        cpu = [p for p in build.glob("torch*-cpu-x86_64-linux") if (p / "metadata.json").exists()]
+        return cpu, build / "torch-universal"
+    cpu, uni = find()
+    if not cpu or not (uni / "metadata.json").exists():
+        print(f"[bench] building the cpu and universal variants into {build} (scripts/build.py)", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--backends", "cpu,universal",
+                        "--out", str(build)], check=True)
+        cpu, uni = find()
+    ours = load_variant(cpu[0])
+    assert ours.NATIVE, "the cpu variant did not load its native library"
+    return ours, load_variant(uni)
+
+
+def machine():
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core", "L2 cache", "L3 cache", "Flags"):
+                info[key.strip()] = val.strip() if key.strip() != "Flags" else \
+                    " ".join(f for f in val.split() if f.startswith(("avx", "fma")))
+    except OSError:
+        pass
+    import transformers
+    info["transformers"] = transformers.__version__
+    info["loadavg_start"] = os.getloadavg()
+    return info
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def bench(fn, min_time_s, max_reps=200):
+    """Minimum wall-clock seconds of fn() over repetitions (one warm-up call first)."""
+    fn()
+    times, total = [], 0.0
+    while (total < min_time_s or len(times) < 3) and len(times) < max_reps:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        total += dt
+        if dt > min_time_s and len(times) >= 1:
+            break
+    return min(times)
+
+
+def inputs(family, T, grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn((1, T, H, K) if family == "kda" else (1, T, H), generator=gen))
+    beta = torch.rand(1, T, H, generator=gen)
+    h0 = torch.randn(1, H, K, V, generator=gen)
+    xs = [q, k, v, g, beta]
+    if grad:
+        xs = [x.requires_grad_(True) for x in xs]
+    return xs, h0
+
+
+def backward_of(out, state):
+    (out.square().sum() + state.sum()).backward()
+
+
+# ------------------------------------------------------------------------------------------------ peers
+def tf_funcs(family):
+    if family == "kda":
+        from transformers.models.kimi_linear import modeling_kimi_linear as m
+        return m.chunk_kimi_delta_attention, m.recurrent_kimi_delta_attention
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    return m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule
+
+
+def impls(family, ours, uni):
+    """name -> {mode: callable(T) -> thunk or None}."""
+    chunk_api = "chunk_kda" if family == "kda" else "chunk_gated_delta_rule"
+    rec_api = "fused_recurrent_kda" if family == "kda" else "fused_recurrent_gated_delta_rule"
+    tf_chunk, tf_rec = tf_funcs(family)
+
+    def api_prefill(mod, grad):
+        def make(T):
+            (q, k, v, g, beta), h0 = inputs(family, T, grad)
+            fn = getattr(mod, chunk_api)
+            if not grad:
+                def run():
+                    with torch.no_grad():
+                        fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                return run
+
+            def run():
+                o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                backward_of(o, s)
+            return run
+        return make
+
+    def api_decode(mod):
+        def make(T):
+            (q, k, v, g, beta), h0 = inputs(family, T)
+            idx = torch.zeros(1, dtype=torch.long)
+            fn = getattr(mod, rec_api)
+
+            def run():
+                with torch.no_grad():
+                    fn(q, k, v, g, beta, initial_state=h0, ssm_state_indices=idx, inplace_final_state=True)
+            return run
+        return make
+
+    def op_decode(mod):
+        def make(T):
+            (q, k, v, g, beta), h0 = inputs(family, T)
+            idx = torch.zeros(1, dtype=torch.long)
+            op = getattr(mod.ops, f"{family}_recurrent_serve")
+            return lambda: op(q, k, v, g, beta, K ** -0.5, h0, idx, None, None, False)
+        return make
+
+    def tf(fn, grad):
+        def make(T):
+            (q, k, v, g, beta), h0 = inputs(family, T, grad)
+            if not grad:
+                def run():
+                    with torch.no_grad():
+                        fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                return run
+
+            def run():
+                o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                backward_of(o, s)
+            return run
+        return make
+
+    return {
+        "ours": {"decode": op_decode(ours), "prefill": api_prefill(ours, False), "fwd+bwd": api_prefill(ours, True)},
+        "ours (API)": {"decode": api_decode(ours)},
+        "torch-universal": {"decode": api_decode(uni), "prefill": api_prefill(uni, False),
+                            "fwd+bwd": api_prefill(uni, True)},
+        "transformers": {"decode": tf(tf_rec, False), "prefill": tf(tf_chunk, False), "fwd+bwd": tf(tf_chunk, True)},
+    }
+
+
+def run_executorch(cases, min_time_s):
+    py = ET_VENV / "bin" / "python"
+    if not py.exists():
+        return None, f"ExecuTorch venv missing ({ET_VENV}); run with --setup-executorch"
+    res = subprocess.run([str(py), str(ROOT / "benchmarks" / "cpu" / "executorch_worker.py"),
+                          json.dumps([dict(c, H=H, K=K, V=V, min_time_s=min_time_s) for c in cases])],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        return None, f"ExecuTorch worker failed: {res.stderr[-2000:]}"
+    last = [ln for ln in res.stdout.splitlines() if ln.startswith("[")][-1]
+    return json.loads(last), ""
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T=512 only, shorter timing")
+    ap.add_argument("--setup-executorch", action="store_true", help="create .venv-executorch and exit")
+    ap.add_argument("--max-call-s", type=float, default=40.0, help="skip a peer whose call would take longer")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--families", default="kda,gdn")
+    ap.add_argument("--tag", default="latest")
+    ap.add_argument("--build-dir", type=Path, default=ROOT / "build", help="where the built variants are")
+    args = ap.parse_args(argv)
+    if args.setup_executorch:
+        setup_executorch()
+        return 0
+    warnings.filterwarnings("ignore", message="kda-kernels: no native")
+    os.environ.setdefault("KDA_KERNELS_QUIET_FALLBACK", "1")
+    ours, uni = variants(args.build_dir.resolve())
+    info = machine()
+    print(f"[bench] {info.get('Model name')} x{info.get('CPU(s)')}, torch {torch.__version__}, "
+          f"load average {info['loadavg_start']}", flush=True)
+    lengths = {"decode": [1], "prefill": [512] if args.quick else [512, 4096],
+               "fwd+bwd": [512] if args.quick else [512, 4096]}
+    min_time = 0.5 if args.quick else 1.5
+    threads = [int(t) for t in args.threads.split(",")]
+    families = args.families.split(",")
+    rows = []
+    # ExecuTorch first, in its own process (forward only)
+    et_cases = [dict(family=f, T=T, threads=n) for f in families for n in threads
+                for T in lengths["decode"] + lengths["prefill"]]
+    et, et_err = run_executorch(et_cases, min_time)
+    for c in (et or []):
+        mode = "decode" if c["T"] == 1 else "prefill"
+        rows.append(dict(family=c["family"], mode=mode, T=c["T"], threads=c["threads"], impl="executorch",
+                         us_per_token=c["us_per_token"], note=""))
+    if et is None:
+        print(f"[bench] {et_err}", flush=True)
+        for c in et_cases:
+            rows.append(dict(c, mode="decode" if c["T"] == 1 else "prefill", impl="executorch", us_per_token=None,
+                             note=et_err[:200]))
+    for family in families:
+        table = impls(family, ours, uni)
+        for n in threads:
+            torch.set_num_threads(n)
+            for mode, Ts in lengths.items():
+                per_token_512 = {}
+                for T in Ts:
+                    for name, modes in table.items():
+                        if mode not in modes:
+                            continue
+                        est = per_token_512.get(name)
+                        if est is not None and est * T * 1e-6 > args.max_call_s:
+                            note = (f"not run: estimated {est * T * 1e-6:.0f} s per call "
+                                    f"({est / 1e3:.1f} ms/token at T=512) > --max-call-s {args.max_call_s:.0f}")
+                            rows.append(dict(family=family, mode=mode, T=T, threads=n, impl=name,
+                                             us_per_token=None, note=note))
+                            print(f"  {family:3s} {mode:8s} T={T:5d} thr={n} {name:16s} {note}", flush=True)
+                            continue
+                        thunk = modes[mode](T)
+                        t = bench(thunk, min_time)
+                        del thunk
+                        us = t / T * 1e6
+                        if T == 512:
+                            per_token_512[name] = us
+                        rows.append(dict(family=family, mode=mode, T=T, threads=n, impl=name, us_per_token=us,
+                                         note=""))
+                        print(f"  {family:3s} {mode:8s} T={T:5d} thr={n} {name:16s} {us:10.1f} us/token", flush=True)
+    info["loadavg_end"] = os.getloadavg()
+    report(rows, info, args.tag)
+    return 0
+
+
+def report(rows, info, tag):
+    def get(family, mode, T, n, impl):
+        for r in rows:
+            if (r["family"], r["mode"], r["T"], r["threads"], r["impl"]) == (family, mode, T, n, impl):
+                return r["us_per_token"]
+        return None
+
+    peers = ["executorch", "transformers", "torch-universal"]
+    keys = sorted({(r["family"], r["mode"], r["T"], r["threads"]) for r in rows},
+                  key=lambda x: (x[0], ["decode", "prefill", "fwd+bwd"].index(x[1]), x[2], x[3]))
+    lines = []
+    hdr = (f"{'family':6s} {'case':8s} {'T':>5s} {'thr':>3s} {'ours':>9s} " +
+           " ".join(f"{p:>16s}" for p in peers) + "   (us/token; ratio = peer / ours)")
+    lines.append(hdr)
+    summary = []
+    for (family, mode, T, n) in keys:
+        mine = get(family, mode, T, n, "ours")
+        cells = []
+        for p in peers:
+            t = get(family, mode, T, n, p)
+            if t is None:
+                cells.append(f"{'n/a':>16s}")
+            else:
+                ratio = t / mine if mine else float("nan")
+                cells.append(f"{t:8.1f} ({ratio:5.1f}x)")
+                summary.append(dict(family=family, mode=mode, T=T, threads=n, peer=p, ratio=ratio))
+        api = get(family, mode, T, n, "ours (API)")
+        extra = f"   ours via public API {api:.1f}" if api else ""
+        lines.append(f"{family:6s} {mode:8s} {T:5d} {n:3d} {mine if mine else float('nan'):9.1f} " +
+                     " ".join(cells) + extra)
+    lines.append("")
+    lines.append("2-thread speed-up of ours (1-thread time / 2-thread time):")
+    for (family, mode, T, n) in keys:
+        if n == 2 and get(family, mode, T, 1, "ours"):
+            s = get(family, mode, T, 1, "ours") / get(family, mode, T, 2, "ours")
+            lines.append(f"  {family} {mode} T={T}: {s:.2f}x")
+            summary.append(dict(family=family, mode=mode, T=T, threads=2, peer="ours 1 thread", ratio=s))
+    notes = sorted({r["note"] for r in rows if r["note"]})
+    if notes:
+        lines.append("")
+        lines.append("not run / notes:")
+        lines += [f"  {r['family']} {r['mode']} T={r['T']} thr={r['threads']} {r['impl']}: {r['note']}"
+                  for r in rows if r["note"]]
+    text = "\n".join(lines)
+    print()
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"cpu_{tag}.json"
+    out.write_text(json.dumps(dict(machine=info, shapes=dict(B=1, H=H, HV=H, K=K, V=V, dtype="float32"),
+                                   results=rows, ratios=summary, table=text), indent=1) + "\n")
+    print(f"\n[bench] wrote {out.relative_to(ROOT)}")
+    try:
+        plot(rows, keys, RESULTS / f"cpu_{tag}.png")
+        print(f"[bench] wrote {(RESULTS / f'cpu_{tag}.png').relative_to(ROOT)}")
+    except Exception as e:  # noqa: BLE001 - the JSON is the record; the plot is a convenience
+        print(f"[bench] no plot: {e}")
+
+
+def plot(rows, keys, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    impls_ = ["ours", "executorch", "transformers", "torch-universal"]
+    cases = [k for k in keys if k[3] == 1]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(cases)), 5))
+    width = 0.8 / len(impls_)
+    for i, name in enumerate(impls_):
+        ys = []
+        for (family, mode, T, n) in cases:
+            r = [x for x in rows if (x["family"], x["mode"], x["T"], x["threads"], x["impl"]) ==
+                 (family, mode, T, n, name)]
+            ys.append(r[0]["us_per_token"] if r and r[0]["us_per_token"] else 0)
+        ax.bar([j + i * width for j in range(len(cases))], ys, width, label=name)
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"{f}\n{m}\nT={T}" for (f, m, T, n) in cases], fontsize=8)
+    ax.set_ylabel("us per token (log; lower is better)")
+    ax.set_title("CPU, 1 thread, B=1 H=32 K=V=128 fp32 (missing bar: peer has no such path or was not run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
