@@ -300,16 +300,54 @@ def build_variant(backend, torch, meta, out, version, jobs):
     return variant
 
 
+BUILD_TOML_HEAD = """# kernel-builder's build description (the Hub's build path, via flake.nix). scripts/build.py builds the same
+# variants where Nix is unavailable. Kernel source lists are written by `python scripts/build.py --sync-build-toml`;
+# tests/test_layout.py checks they list every file in kernels_src/ and that name/version match metadata.json.
+# Neuron is a noarch Python build in kernel-builder: its NKI sources (kernels_src/nki) are copied into the
+# torch-neuron variant by scripts/build.py.
+
+[general]
+name = "{name}"
+version = {version}
+license = "{license}"
+backends = ["cpu", "cuda", "metal", "neuron"]
+
+[torch]
+src = ["torch-ext/torch_binding.cpp", "torch-ext/torch_binding.h"]
+"""
+
+KERNEL_SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cuh", ".h", ".cpp"), "metal": (".metal", ".mm", ".h")}
+
+
+def sync_build_toml(meta):
+    text = BUILD_TOML_HEAD.format(name=meta["name"], version=meta["version"], license=meta["license"])
+    for backend, suffixes in KERNEL_SUFFIXES.items():
+        files = sorted(str(p.relative_to(ROOT)) for p in (SRC / backend).glob("*") if p.suffix in suffixes)
+        if not files:
+            continue
+        extra = '\ncuda-capabilities = ["8.0", "9.0", "10.0"]' if backend == "cuda" else ""
+        text += (f"\n[kernel.kda_{backend}]\nbackend = \"{backend}\"\ndepends = [\"torch\"]"
+                 f"\ninclude = [\"kernels_src/{backend}\"]{extra}\nsrc = [\n"
+                 + "".join(f'    "{f}",\n' for f in files) + "]\n")
+    (ROOT / "build.toml").write_text(text)
+    log("wrote build.toml")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="all", help="comma-separated subset of " + ",".join(BACKENDS))
     ap.add_argument("--version", type=int, default=None, help="override metadata.json's version")
     ap.add_argument("--out", type=Path, default=ROOT / "build")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--sync-build-toml", action="store_true",
+                    help="rewrite build.toml's kernel source lists from kernels_src/ and exit")
     args = ap.parse_args(argv)
+    meta = read_metadata()
+    if args.sync_build_toml:
+        sync_build_toml(meta)
+        return 0
     import torch
 
-    meta = read_metadata()
     version = args.version if args.version is not None else int(meta["version"])
     wanted = BACKENDS if args.backends == "all" else tuple(b.strip() for b in args.backends.split(","))
     for b in wanted:
