@@ -98,6 +98,37 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
   }
 }
 
+// Diagonal-block pair (t, j < t) forward: ev *= a_{j+1}; returns sum q_t ev k_j and sum k_t ev k_j.
+inline void diag_pair_fwd(int64_t Kp, float* __restrict ev, const float* __restrict aj, const float* __restrict kj,
+                          const float* __restrict qt, const float* __restrict kt, float* sqk, float* skk) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  for (int64_t c = 0; c < Kp; c += 8) {
+    const __m256 e = _mm256_mul_ps(_mm256_loadu_ps(ev + c), _mm256_loadu_ps(aj + c));
+    _mm256_storeu_ps(ev + c, e);
+    const __m256 ke = _mm256_mul_ps(e, _mm256_loadu_ps(kj + c));
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qt + c), ke, s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(kt + c), ke, s1);
+  }
+  *sqk = hsum8(s0);
+  *skk = hsum8(s1);
+}
+
+// Diagonal-block pair backward: ev *= a_{j+1}; dq_t += xq ev k_j; dk+_t += xk ev k_j; dk-_j += (xq q_t + xk k_t) ev.
+inline void diag_pair_bwd(int64_t Kp, float* __restrict ev, const float* __restrict aj, const float* __restrict kj,
+                          const float* __restrict qt, const float* __restrict kt, float xq, float xk,
+                          float* __restrict dqt, float* __restrict dkpt, float* __restrict dkmj) {
+  const __m256 vq = _mm256_set1_ps(xq), vk = _mm256_set1_ps(xk);
+  for (int64_t c = 0; c < Kp; c += 8) {
+    const __m256 e = _mm256_mul_ps(_mm256_loadu_ps(ev + c), _mm256_loadu_ps(aj + c));
+    _mm256_storeu_ps(ev + c, e);
+    const __m256 ke = _mm256_mul_ps(e, _mm256_loadu_ps(kj + c));
+    _mm256_storeu_ps(dqt + c, _mm256_fmadd_ps(vq, ke, _mm256_loadu_ps(dqt + c)));
+    _mm256_storeu_ps(dkpt + c, _mm256_fmadd_ps(vk, ke, _mm256_loadu_ps(dkpt + c)));
+    const __m256 m = _mm256_fmadd_ps(vq, _mm256_loadu_ps(qt + c), _mm256_mul_ps(vk, _mm256_loadu_ps(kt + c)));
+    _mm256_storeu_ps(dkmj + c, _mm256_fmadd_ps(m, e, _mm256_loadu_ps(dkmj + c)));
+  }
+}
+
 inline void mul_rows(const float* __restrict x, const float* __restrict y, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * y[i];
 }
@@ -157,18 +188,9 @@ inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
       const float* kt = b.k + t * Kp;
       b.aqk[t * CH + t] = dot8(qt, kt, Kp);
       float* ev = b.ev;
-      float* ke = b.ev + Kp;
       std::fill(ev, ev + Kp, 1.f);
-      for (int64_t j = t - 1; j >= p * SUB; --j) {
-        const float* aj = b.a + (j + 1) * Kp;
-        const float* kj = b.k + j * Kp;
-        for (int64_t c = 0; c < Kp; ++c) {
-          ev[c] *= aj[c];
-          ke[c] = ev[c] * kj[c];
-        }
-        b.aqk[t * CH + j] = dot8(qt, ke, Kp);
-        b.akk[t * CH + j] = dot8(kt, ke, Kp);
-      }
+      for (int64_t j = t - 1; j >= p * SUB; --j)
+        diag_pair_fwd(Kp, ev, b.a + (j + 1) * Kp, b.k + j * Kp, qt, kt, &b.aqk[t * CH + j], &b.akk[t * CH + j]);
     }
     if (p == 0) continue;
     block_factors(b, p);
@@ -383,19 +405,9 @@ inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, 
         dkmt[c] += dd * qt[c];
       }
       std::fill(ev, ev + Kp, 1.f);
-      for (int64_t j = t - 1; j >= r0; --j) {
-        const float* aj = b.a + (j + 1) * Kp;
-        const float* kj = b.k + j * Kp;
-        float* dkmj = b.dkm + j * Kp;
-        const float xq = b.daqk[t * CH + j], xk = dl[t * CH + j];
-        for (int64_t c = 0; c < Kp; ++c) {
-          ev[c] *= aj[c];
-          const float kec = ev[c] * kj[c];
-          dqt[c] += xq * kec;
-          dkpt[c] += xk * kec;
-          dkmj[c] += (xq * qt[c] + xk * kt[c]) * ev[c];
-        }
-      }
+      for (int64_t j = t - 1; j >= r0; --j)
+        diag_pair_bwd(Kp, ev, b.a + (j + 1) * Kp, b.k + j * Kp, qt, kt, b.daqk[t * CH + j], dl[t * CH + j], dqt, dkpt,
+                      b.dkm + j * Kp);
     }
     if (p == 0) continue;
     block_factors(b, p);

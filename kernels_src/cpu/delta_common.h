@@ -217,16 +217,42 @@ inline float dot8(const float* __restrict a, const float* __restrict b, int64_t 
   return hsum8(_mm256_add_ps(s0, s1));
 }
 
-// dst[0:R, 0:Ccols) = src^T where src is [Ccols x R] with row stride lds; dst row stride ldd.
+// dst = src^T: src is [rows_src x cols_src] (row stride lds), dst [cols_src x rows_src] (row stride ldd).
+// 8 x 8 tiles in registers when both sizes are multiples of 8 (always, for the padded chunk buffers).
 inline void transpose(const float* __restrict src, int64_t lds, float* __restrict dst, int64_t ldd, int64_t rows_src,
                       int64_t cols_src) {
-  constexpr int64_t TB = 8;
-  for (int64_t i0 = 0; i0 < rows_src; i0 += TB)
-    for (int64_t j0 = 0; j0 < cols_src; j0 += TB) {
-      const int64_t i1 = std::min(i0 + TB, rows_src), j1 = std::min(j0 + TB, cols_src);
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = j0; j < j1; ++j) dst[j * ldd + i] = src[i * lds + j];
-    }
+  if (rows_src % 8 == 0 && cols_src % 8 == 0) {
+    for (int64_t i0 = 0; i0 < rows_src; i0 += 8)
+      for (int64_t j0 = 0; j0 < cols_src; j0 += 8) {
+        const float* s = src + i0 * lds + j0;
+        __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
+               r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds), r5 = _mm256_loadu_ps(s + 5 * lds),
+               r6 = _mm256_loadu_ps(s + 6 * lds), r7 = _mm256_loadu_ps(s + 7 * lds);
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+               t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        r0 = _mm256_shuffle_ps(t0, t2, 0x44);
+        r1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        r2 = _mm256_shuffle_ps(t1, t3, 0x44);
+        r3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        r4 = _mm256_shuffle_ps(t4, t6, 0x44);
+        r5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        r6 = _mm256_shuffle_ps(t5, t7, 0x44);
+        r7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* d = dst + j0 * ldd + i0;
+        _mm256_storeu_ps(d, _mm256_permute2f128_ps(r0, r4, 0x20));
+        _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(r1, r5, 0x20));
+        _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(r2, r6, 0x20));
+        _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(r3, r7, 0x20));
+        _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(r0, r4, 0x31));
+        _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(r1, r5, 0x31));
+        _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(r2, r6, 0x31));
+        _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(r3, r7, 0x31));
+      }
+    return;
+  }
+  for (int64_t i = 0; i < rows_src; ++i)
+    for (int64_t j = 0; j < cols_src; ++j) dst[j * ldd + i] = src[i * lds + j];
 }
 
 // C[M x N] (ACC ? += : =) alpha * A B with A(i, k) = A[i * sai + k * sak] (so A^T is free) and B row-major
