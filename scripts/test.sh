@@ -7,4 +7,6 @@ bash scripts/setup.sh
 echo "[test] building variants"
 .venv/bin/python scripts/build.py
 echo "[test] running tests"
+# tests load the variants just built in build/ instead of rebuilding them per source hash (tests/conftest.py)
+export KDA_TEST_BUILD_DIR=build
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider -rs "$@"
