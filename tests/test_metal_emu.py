@@ -75,6 +75,10 @@ CONFIGS = {
     "bf16-k48-v40-varlen": dict(B=1, T=50, H=1, HV=3, K=48, V=40, dtype=torch.bfloat16, cu=[0, 17, 17, 50]),
     # V not a multiple of 8: the chunk op falls back to the recurrent kernels; idle rows in a threadgroup
     "f32-v38": dict(B=1, T=21, H=2, HV=2, K=32, V=38, dtype=torch.float32),
+    # 5 chunks, the last partial: the chunked backward's checkpoint segments (2 chunks each) and replay;
+    # strongest decay logsigmoid(randn)/0.1 plus extreme gates; one active simdgroup of four (V = 8)
+    "f32-segments-strong": dict(B=1, T=70, H=1, HV=2, K=16, V=8, dtype=torch.float32, gate_div=0.1,
+                                extreme=True),
 }
 
 
@@ -176,8 +180,8 @@ def _race_inputs(fam):
     return make_inputs(fam, dtype=dtype, **cfg)
 
 
-@pytest.mark.parametrize("op", ["kda_recurrent_fwd", "kda_chunk_fwd", "kda_recurrent_bwd",
-                                "gdn_recurrent_fwd", "gdn_chunk_fwd", "gdn_recurrent_bwd"])
+@pytest.mark.parametrize("op", ["kda_recurrent_fwd", "kda_chunk_fwd", "kda_recurrent_bwd", "kda_chunk_bwd",
+                                "gdn_recurrent_fwd", "gdn_chunk_fwd", "gdn_recurrent_bwd", "gdn_chunk_bwd"])
 def test_real_kernels_race_free(exes, op):
     ins, do, dht = _race_inputs(op[:3])
     kw = dict(grad_o=do, grad_final_state=dht) if op.endswith("bwd") else {}
@@ -187,12 +191,13 @@ def test_real_kernels_race_free(exes, op):
     if op.endswith("fwd"):
         assert_close("o", o_ref, out["o"], 0.005)
     else:
-        assert torch.isfinite(out["dq"].float()).all()
+        for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+            assert torch.isfinite(out[name].float()).all(), name
 
 
 def _barrier_sites():
     sites = []
-    for f in ("recurrent_bwd.metal", "chunk_fwd.metal"):
+    for f in ("recurrent_bwd.metal", "chunk_fwd.metal", "chunk_bwd.metal"):
         for i, line in enumerate((METAL / f).read_text().splitlines(), 1):
             if re.search(r"\b(threadgroup|simdgroup)_barrier\s*\(", line):
                 sites.append((f, i))
@@ -202,7 +207,8 @@ def _barrier_sites():
 @pytest.mark.parametrize("site", _barrier_sites(), ids=lambda s: f"{s[0]}:{s[1]}")
 def test_every_barrier_is_needed_and_a_dropped_one_is_reported(exes, site):
     f, line = site
-    op = "kda_recurrent_bwd" if f.startswith("recurrent_bwd") else "kda_chunk_fwd"
+    op = {"recurrent_bwd.metal": "kda_recurrent_bwd", "chunk_fwd.metal": "kda_chunk_fwd",
+          "chunk_bwd.metal": "kda_chunk_bwd"}[f]
     ins, do, dht = _race_inputs("kda")
     kw = dict(grad_o=do, grad_final_state=dht) if op.endswith("bwd") else {}
     with pytest.raises(emu.EmuError) as e:
@@ -211,7 +217,8 @@ def test_every_barrier_is_needed_and_a_dropped_one_is_reported(exes, site):
 
 
 def test_barrier_sites_found():
-    assert len(_barrier_sites()) >= 8
+    sites = _barrier_sites()
+    assert len(sites) >= 18 and sum(f == "chunk_bwd.metal" for f, _ in sites) >= 10
 
 
 def _selftest_reduce(exe, n=96, tg=64):
@@ -256,7 +263,7 @@ def test_planted_out_of_bounds_read_is_reported(exes):
 
 
 @pytest.mark.parametrize("op,name", [("kda_recurrent_fwd", "v"), ("gdn_chunk_fwd", "k"),
-                                     ("kda_recurrent_bwd", "grad_o")])
+                                     ("kda_recurrent_bwd", "grad_o"), ("kda_chunk_bwd", "q")])
 def test_real_kernel_out_of_bounds_read_is_reported(exes, op, name):
     """Allocating an input 2 bytes short makes the kernels' last read of it out of bounds."""
     ins, do, dht = _race_inputs(op[:3])
@@ -361,13 +368,21 @@ def test_host_kernel_names_exist_in_metal_sources():
     mm_src = (METAL / "delta_ops.mm").read_text()
     # kernel names are built as fam + "_<stage>_" + dt_suffix(dt), or "delta_cast_" + dt_suffix(dt)
     stages = set(re.findall(r'fam \+ "_(\w+?)_" \+ dt_suffix', plan_src))
-    assert stages >= {"recurrent_fwd", "recurrent_bwd", "chunk_fwd"}
+    assert stages >= {"recurrent_fwd", "recurrent_bwd", "chunk_fwd", "chunk_bwd", "recurrent_serve"}
+    # the serving kernels also name the state pool's dtype: <fam>_recurrent_serve_<dt>_state_<pool dt>
+    assert 'fam + "_recurrent_serve_" + dt_suffix(p.dt) + "_state_" + dt_suffix(p.pool_dt)' in plan_src
     for stage in stages:
         for fam in ("kda", "gdn"):
             for dt in ("f32", "f16", "bf16"):
-                assert f"{fam}_{stage}_{dt}" in sigs
+                if stage == "recurrent_serve":
+                    for pdt in ("f32", "f16", "bf16"):
+                        assert f"{fam}_{stage}_{dt}_state_{pdt}" in sigs
+                else:
+                    assert f"{fam}_{stage}_{dt}" in sigs
     for dt in ("f16", "bf16"):
         assert f"delta_cast_{dt}" in sigs
+    for dt in ("f32", "f16", "bf16"):
+        assert f"delta_serve_gather_{dt}" in sigs
     # the .mm does not name kernels itself: everything it launches comes from the plan
     assert not re.search(r'"(kda|gdn)_\w+_(f32|f16|bf16)"', mm_src)
 
@@ -385,3 +400,100 @@ def test_backend_ops_are_defined_by_the_host():
         # the host defines each entry point through KDA_METAL_DEFINE_FAMILY(kda|gdn)
         assert re.search(rf"family##_{rest}\(", mm_src), f"{op} is not defined in delta_ops.mm"
     assert "KDA_METAL_DEFINE_FAMILY(kda)" in mm_src and "KDA_METAL_DEFINE_FAMILY(gdn)" in mm_src
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# serving op: state pool updated in place
+
+def _serve_expected(ins, pool, idx, nat, cu, state_v_first):
+    """float64 expectation of docs/ops.md's serving semantics: (o, pool after the call) from ref_delta_rule."""
+    q, k, v, g, beta = (ins[n] for n in ("q", "k", "v", "g", "beta"))
+    B, T = q.shape[:2]
+    N = B if cu is None else len(cu) - 1
+    spans = [(b, 0, T) for b in range(B)] if cu is None else [(0, int(cu[n]), int(cu[n + 1])) for n in range(N)]
+    kfirst = pool.double().transpose(-1, -2) if state_v_first else pool.double()
+    o = torch.zeros(B, T, v.shape[2], v.shape[3], dtype=torch.float64)
+    new = kfirst.clone()
+    for n, (b, s, e) in enumerate(spans):
+        start = int(idx[n]) if idx.dim() == 1 else int(idx[n, (int(nat[n]) if nat is not None else 1) - 1])
+        if start < 0:
+            continue
+        sl = lambda x: x[b:b + 1, s:e]  # noqa: E731
+        h0 = kfirst[start:start + 1]
+        on, hn = ref_delta_rule(sl(q), sl(k), sl(v), sl(g), sl(beta), ins["scale"], initial_state=h0)
+        o[b, s:e] = on[0]
+        if idx.dim() == 1:
+            new[start] = hn[0]
+        else:
+            for i in range(e - s):
+                w = int(idx[n, i])
+                if w >= 0:
+                    new[w] = ref_delta_rule(sl(q)[:, :i + 1], sl(k)[:, :i + 1], sl(v)[:, :i + 1], sl(g)[:, :i + 1],
+                                            sl(beta)[:, :i + 1], ins["scale"], initial_state=h0)[1][0]
+    return o, (new.transpose(-1, -2) if state_v_first else new)
+
+
+SERVE_CASES = {
+    # decode with 2 tokens per sequence, [N] rows, one skipped sequence, fp32 pool
+    "n-rows-f32": dict(B=3, T=2, H=1, HV=2, K=32, V=16, dtype=torch.float32, P=6, idx=[4, -1, 1],
+                       pool_dtype=torch.float32, vfirst=False),
+    # speculative decoding: [N, T] rows, num_accepted_tokens, varlen with an empty sequence, V-first pool;
+    # sequence 2 starts from row 5, which sequence 0 overwrites (start states are gathered first); sequence 0
+    # rewrites its own start row 2; sequence 3 has a negative start (skipped: rows 9 and 3 stay untouched)
+    "per-token-vfirst": dict(B=1, T=8, H=1, HV=2, K=32, V=16, dtype=torch.bfloat16, P=12, cu=[0, 3, 3, 5, 8],
+                             idx=[[7, 2, 5], [8, -1, 11], [6, -1, 5], [9, 3, -1]], nat=[2, 1, 3, 3],
+                             pool_dtype=torch.float32, vfirst=True),
+    # bf16 pool (computed in fp32, stored rounded), K = 48 (not a multiple of 32), fp16 inputs
+    "n-rows-bf16-pool": dict(B=2, T=3, H=1, HV=2, K=48, V=8, dtype=torch.float16, P=4, idx=[3, 0],
+                             pool_dtype=torch.bfloat16, vfirst=True),
+}
+
+
+def _serve_run(exe, fam, case, env=None):
+    c = dict(SERVE_CASES[case])
+    ins, _, _ = make_inputs(fam, c["B"], c["T"], c["H"], c["HV"], c["K"], c["V"], c["dtype"], cu=c.get("cu"),
+                            extreme=True, h0=False, seed=3)
+    gen = torch.Generator().manual_seed(7)
+    shape = (c["P"], c["HV"], c["V"], c["K"]) if c["vfirst"] else (c["P"], c["HV"], c["K"], c["V"])
+    pool = torch.randn(shape, generator=gen).to(c["pool_dtype"])
+    idx = torch.tensor(c["idx"], dtype=torch.int64)
+    nat = torch.tensor(c["nat"], dtype=torch.int64) if "nat" in c else None
+    o, new_pool = emu.run_serve(f"{fam}_recurrent_serve", ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"],
+                                ins["scale"], pool, idx, nat, ins["cu_seqlens"], c["vfirst"], exe=exe, env=env)
+    o_ref, pool_ref = _serve_expected(ins, pool, idx, nat, ins["cu_seqlens"], c["vfirst"])
+    return ins, pool, idx, nat, o, new_pool, o_ref, pool_ref
+
+
+@pytest.mark.parametrize("case", list(SERVE_CASES))
+@pytest.mark.parametrize("fam", ["kda", "gdn"])
+def test_serve_matches_reference_and_leaves_other_rows(exes, fam, case):
+    ins, pool, idx, nat, o, new_pool, o_ref, pool_ref = _serve_run(exes["asan"], fam, case)
+    tol = TOL[ins["q"].dtype]["o"]
+    assert o.dtype == ins["q"].dtype and new_pool.dtype == pool.dtype
+    assert_close("o", o_ref, o, tol)
+    written = set()
+    if idx.dim() == 1:
+        written = {int(r) for r in idx if r >= 0}
+    else:
+        lens = [int(x) for x in (ins["cu_seqlens"][1:] - ins["cu_seqlens"][:-1])]
+        for n in range(idx.shape[0]):
+            start = int(idx[n, (int(nat[n]) if nat is not None else 1) - 1])
+            if start >= 0:
+                written |= {int(r) for r in idx[n, :lens[n]] if r >= 0}
+    for r in range(pool.shape[0]):
+        if r in written:
+            assert_close(f"pool[{r}]", pool_ref[r], new_pool[r], 1e-5 if pool.dtype == torch.float32 else 0.005)
+        else:  # canary rows: untouched, bit for bit
+            assert torch.equal(new_pool[r].view(torch.int16 if pool.dtype != torch.float32 else torch.int32),
+                               pool[r].view(torch.int16 if pool.dtype != torch.float32 else torch.int32)), r
+    # skipped sequences output exact zeros
+    cu = ins["cu_seqlens"]
+    for n in range(idx.shape[0]):
+        start = int(idx[n]) if idx.dim() == 1 else int(idx[n, (int(nat[n]) if nat is not None else 1) - 1])
+        if start < 0:
+            assert (o[n] == 0).all() if cu is None else (o[0, int(cu[n]):int(cu[n + 1])] == 0).all()
+
+
+def test_serve_race_free(exes):
+    _, _, _, _, o, _, o_ref, _ = _serve_run(exes["tsan"], "kda", "per-token-vfirst")
+    assert_close("o", o_ref, o, 0.005)

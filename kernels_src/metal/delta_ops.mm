@@ -203,6 +203,34 @@ DeltaBwdResult bwd(const std::string& op, const at::Tensor& q, const at::Tensor&
           output(plan, bufs, "dh0", at::kFloat, {p.N, p.HV, p.K, p.V})};
 }
 
+// Serving op: the pool is bound in place (InOut); rows the indices name are read and written by the kernels.
+at::Tensor serve(const std::string& op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& g, const at::Tensor& beta, double scale, at::Tensor& pool, const at::Tensor& idx,
+                 const std::optional<at::Tensor>& nat, const std::optional<at::Tensor>& cu, bool state_v_first) {
+  Problem p = problem(q, v, scale, std::nullopt, cu, std::nullopt);
+  TORCH_CHECK(pool.device().is_mps() && pool.is_contiguous() && pool.dim() == 4, "kda-kernels Metal: ", op,
+              ": state_pool must be a contiguous 4-d MPS tensor");
+  switch (pool.scalar_type()) {
+    case at::kFloat: p.pool_dt = Dt::f32; break;
+    case at::kHalf: p.pool_dt = Dt::f16; break;
+    case at::kBFloat16: p.pool_dt = Dt::bf16; break;
+    default: TORCH_CHECK(false, "kda-kernels Metal: ", op, ": state_pool must be float32, float16 or bfloat16");
+  }
+  TORCH_CHECK(idx.dim() == 1 || (idx.dim() == 2 && idx.size(1) > 0), "kda-kernels Metal: ", op,
+              ": ssm_state_indices must be [N] or [N, T>0]");
+  p.pool_rows = int(pool.size(0));
+  p.state_v_first = state_v_first ? 1 : 0;
+  p.idx_cols = idx.dim() == 2 ? int(idx.size(1)) : 0;
+  p.has_nat = nat.has_value();
+  Plan plan = make_plan(op, p);
+  Buffers in = common_inputs(q, k, v, g, beta, std::nullopt, cu);
+  in["state_pool"] = pool;
+  in["ssm_state_indices"] = idx.contiguous().to(at::kLong);
+  if (nat) in["num_accepted_tokens"] = nat->contiguous().to(at::kLong);
+  Buffers bufs = run_plan(plan, std::move(in), q);
+  return output(plan, bufs, "o", q.scalar_type(), {p.B, p.T, p.HV, p.V});
+}
+
 }  // namespace
 }  // namespace metal
 }  // namespace kda_kernels
@@ -238,6 +266,14 @@ DeltaBwdResult bwd(const std::string& op, const at::Tensor& q, const at::Tensor&
                                     const std::optional<at::Tensor>& grad_final_state) {                     \
     return kda_kernels::metal::bwd(#family "_chunk_bwd", q, k, v, g, beta, scale, initial_state, cu_seqlens, \
                                    grad_o, grad_final_state);                                                \
+  }                                                                                                          \
+  at::Tensor family##_recurrent_serve(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,         \
+                                      const at::Tensor& g, const at::Tensor& beta, double scale,             \
+                                      at::Tensor& state_pool, const at::Tensor& ssm_state_indices,           \
+                                      const std::optional<at::Tensor>& num_accepted_tokens,                  \
+                                      const std::optional<at::Tensor>& cu_seqlens, bool state_v_first) {     \
+    return kda_kernels::metal::serve(#family "_recurrent_serve", q, k, v, g, beta, scale, state_pool,        \
+                                     ssm_state_indices, num_accepted_tokens, cu_seqlens, state_v_first);     \
   }
 
 KDA_METAL_DEFINE_FAMILY(kda)

@@ -28,7 +28,7 @@ struct DeltaParams {
   int has_h0;   // initial_state given
   int has_cu;   // cu_seqlens given
   int has_dht;  // grad_final_state given (backward)
-  int seg;      // checkpoint segment length in tokens (recurrent backward)
+  int seg;      // checkpoint segment: tokens (recurrent backward) or 16-token chunks (chunked backward)
   int nslots;   // checkpoint slots per value head (backward)
   int count;    // element count (cast kernels)
   int state_v_first;  // serve: pool rows are [HV, V, K]

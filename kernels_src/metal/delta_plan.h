@@ -39,6 +39,7 @@ struct Problem {
   int idx_cols = 0;        // 0: ssm_state_indices is [N]; else [N, idx_cols]
   int state_v_first = 0;
   int pool_rows = 0;       // P
+  Dt pool_dt = Dt::f32;    // state pool dtype
 };
 
 enum class BufKind { Input, InOut, Output, Scratch };
@@ -236,6 +237,86 @@ inline Plan recurrent_bwd(const std::string& fam, const Problem& p) {
   return b.plan;
 }
 
+// Checkpoint segment of the chunked backward, in 16-token chunks: the largest power of two whose square is at
+// most the number of chunks, in [1, 32].
+inline int chunk_bwd_segment(int64_t tokens) {
+  const int64_t chunks = (tokens + KDA_CHUNK - 1) / KDA_CHUNK;
+  int seg = 1;
+  while (seg < 32 && int64_t(2 * seg) * (2 * seg) <= chunks) seg *= 2;
+  return seg;
+}
+
+inline Plan chunk_bwd(const std::string& fam, const Problem& p) {
+  check(p);
+  if (!chunk_supported(p)) return recurrent_bwd(fam, p);  // exact gradients, one token at a time
+  const bool kda = fam == "kda";
+  const int64_t tok = int64_t(p.B) * p.T;
+  Builder b;
+  common_inputs(b, p, kda);
+  b.input("grad_o", tok * p.HV * p.V * dt_bytes(p.dt));
+  if (p.has_dht) b.input("grad_final_state", int64_t(p.N) * p.HV * p.K * p.V * 4);
+  DeltaParams prm = base_params(p);
+  prm.seg = chunk_bwd_segment(tok);
+  // sequence n's checkpoints start at slot n + bos_n / (16 seg) (see chunk_bwd.metal), so this many slots suffice
+  prm.nslots = int(p.N + tok / (int64_t(KDA_CHUNK) * prm.seg) + 1);
+  const int64_t kv = int64_t(p.K) * p.V;
+  b.scratch("dq_acc", tok * p.H * p.K * 4, true);
+  b.scratch("dk_acc", tok * p.H * p.K * 4, true);
+  b.output("dv", tok * p.HV * p.V * dt_bytes(p.dt));
+  b.output("dg", tok * p.HV * (kda ? p.K : 1) * 4, true);
+  b.output("dbeta", tok * p.HV * 4, true);
+  b.output("dh0", int64_t(p.N) * p.HV * kv * 4);
+  b.scratch("ckpt", int64_t(p.HV) * prm.nslots * kv * 4);
+  b.scratch("replay", int64_t(p.N) * p.HV * prm.seg * kv * 4);
+  // same buffer indices as the recurrent backward
+  b.launch(fam + "_chunk_bwd_" + dt_suffix(p.dt), ceil_div(p.V, KDA_CHUNK_VB), p.HV, p.N, 32 * KDA_CHUNK_NSG,
+           {Builder::b(0, "q"), Builder::b(1, "k"), Builder::b(2, "v"), Builder::b(3, "g"), Builder::b(4, "beta"),
+            Builder::opt(5, "initial_state", p.has_h0), Builder::opt(6, "cu_seqlens", p.has_cu),
+            Builder::b(7, "grad_o"), Builder::opt(8, "grad_final_state", p.has_dht), Builder::b(9, "dq_acc"),
+            Builder::b(10, "dk_acc"), Builder::b(11, "dv"), Builder::b(12, "dg"), Builder::b(13, "dbeta"),
+            Builder::b(14, "dh0"), Builder::b(15, "ckpt"), Builder::b(16, "replay"), Builder::b(17, "params")},
+           prm);
+  cast_out(b, p, "dq_acc", "dq", tok * p.H * p.K);
+  cast_out(b, p, "dk_acc", "dk", tok * p.H * p.K);
+  return b.plan;
+}
+
+// Serving op: recurrent forward on a state pool updated in place (recurrent_serve.metal). With per-token indices
+// [N, idx_cols] the start states are gathered first (a start row may be another sequence's write row).
+inline Plan recurrent_serve(const std::string& fam, const Problem& p) {
+  check(p);
+  if (p.has_h0 || p.has_dht) throw std::invalid_argument("Metal serve plan: no initial_state/grad_final_state");
+  const bool kda = fam == "kda";
+  const int64_t tok = int64_t(p.B) * p.T;
+  const int64_t kv = int64_t(p.K) * p.V;
+  const bool per_token = p.idx_cols > 0;
+  Builder b;
+  common_inputs(b, p, kda);
+  b.inout("state_pool", int64_t(p.pool_rows) * p.HV * kv * dt_bytes(p.pool_dt));
+  b.input("ssm_state_indices", int64_t(p.N) * (per_token ? p.idx_cols : 1) * 8);
+  if (p.has_nat) b.input("num_accepted_tokens", int64_t(p.N) * 8);
+  b.output("o", tok * p.HV * p.V * dt_bytes(p.dt));
+  const DeltaParams prm = base_params(p);
+  if (per_token) {
+    b.scratch("starts", int64_t(p.N) * p.HV * kv * 4);
+    b.launch(std::string("delta_serve_gather_") + dt_suffix(p.pool_dt), ceil_div(int64_t(p.N) * p.HV * kv, KDA_CAST_TG),
+             1, 1, KDA_CAST_TG,
+             {Builder::b(0, "state_pool"), Builder::b(1, "ssm_state_indices"),
+              Builder::opt(2, "num_accepted_tokens", p.has_nat), Builder::b(3, "starts"), Builder::b(4, "params")},
+             prm);
+  }
+  // 0 q 1 k 2 v 3 g 4 beta 5 state_pool 6 starts 7 ssm_state_indices 8 num_accepted_tokens 9 cu_seqlens 10 o
+  // 11 params
+  b.launch(fam + "_recurrent_serve_" + dt_suffix(p.dt) + "_state_" + dt_suffix(p.pool_dt), ceil_div(p.V, KDA_REC_ROWS),
+           p.HV, p.N, 32 * KDA_REC_ROWS,
+           {Builder::b(0, "q"), Builder::b(1, "k"), Builder::b(2, "v"), Builder::b(3, "g"), Builder::b(4, "beta"),
+            Builder::b(5, "state_pool"), Builder::opt(6, "starts", per_token), Builder::b(7, "ssm_state_indices"),
+            Builder::opt(8, "num_accepted_tokens", p.has_nat), Builder::opt(9, "cu_seqlens", p.has_cu),
+            Builder::b(10, "o"), Builder::b(11, "params")},
+           prm);
+  return b.plan;
+}
+
 }  // namespace detail
 
 // op: "{kda,gdn}_{recurrent,chunk}_{fwd,bwd}" or "{kda,gdn}_recurrent_serve"
@@ -246,7 +327,8 @@ inline Plan make_plan(const std::string& op, const Problem& p) {
   if (rest == "_recurrent_fwd") return detail::recurrent_fwd(fam, p);
   if (rest == "_chunk_fwd") return detail::chunk_fwd(fam, p);
   if (rest == "_recurrent_bwd") return detail::recurrent_bwd(fam, p);
-  if (rest == "_chunk_bwd") return detail::recurrent_bwd(fam, p);
+  if (rest == "_chunk_bwd") return detail::chunk_bwd(fam, p);
+  if (rest == "_recurrent_serve") return detail::recurrent_serve(fam, p);
   throw std::invalid_argument("op " + op + " has no Metal plan");
 }
 

@@ -268,3 +268,35 @@ def run_op(op, q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, gra
                 with open(p, "rb") as f:
                     out[name] = _from_bytes(f.read(), dtype, shape)
         return out
+
+
+def run_serve(op, q, k, v, g, beta, scale, state_pool, ssm_state_indices, num_accepted_tokens=None,
+              cu_seqlens=None, state_v_first=False, exe=None, env=None):
+    """Runs {kda,gdn}_recurrent_serve in the emulator on a copy of state_pool; returns (o, updated pool)."""
+    exe = exe or build("asan")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = (len(cu_seqlens) - 1) if cu_seqlens is not None else B
+    idx = ssm_state_indices.to(torch.int64)
+    idx_cols = idx.shape[1] if idx.dim() == 2 else 0
+    with tempfile.TemporaryDirectory() as d:
+        lines = [f"op {op}", f"dtype {DT[q.dtype]}", f"shape {B} {T} {H} {HV} {K} {V} {N}",
+                 f"scale {float(scale)!r}", f"outdir {d}",
+                 f"serve {idx_cols} {int(bool(state_v_first))} {state_pool.shape[0]} {DT[state_pool.dtype]}"]
+        ins = dict(q=q, k=k, v=v, g=g.float(), beta=beta.float(), state_pool=state_pool, ssm_state_indices=idx,
+                   num_accepted_tokens=None if num_accepted_tokens is None else num_accepted_tokens.to(torch.int64),
+                   cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int64))
+        for name, t in ins.items():
+            if t is None:
+                continue
+            p = os.path.join(d, name + ".in")
+            with open(p, "wb") as f:
+                f.write(_to_bytes(t))
+            lines.append(f"input {name} {p}")
+        lines.append("execute")
+        run_job(exe, "\n".join(lines) + "\n", env=env)
+        with open(os.path.join(d, "o.bin"), "rb") as f:
+            o = _from_bytes(f.read(), q.dtype, (B, T, HV, V))
+        with open(os.path.join(d, "state_pool.bin"), "rb") as f:
+            pool = _from_bytes(f.read(), state_pool.dtype, tuple(state_pool.shape))
+    return o, pool

@@ -602,12 +602,17 @@ int main(int argc, char** argv) {
               pb.has_h0 = flags & 1; pb.has_cu = flags & 2; pb.has_dht = flags & 4; pb.has_nat = flags & 8;
               pb.idx_cols = (flags & 8) ? 3 : 0;
               pb.pool_rows = 4;
+              if (std::string(mode) == "_recurrent_serve") {  // serving has no initial state / grad: vary the pool
+                pb.state_v_first = pb.has_h0;
+                pb.pool_dt = pb.has_dht ? Dt::bf16 : (pb.has_h0 ? Dt::f16 : Dt::f32);
+                pb.has_h0 = pb.has_dht = false;
+                pb.has_nat = pb.has_nat && (flags & 1);
+              }
               std::string op = std::string(fam) + mode;
               Plan plan;
               try {
                 plan = make_plan(op, pb);
               } catch (const std::invalid_argument& e) {
-                if (std::string(mode) == "_recurrent_serve") continue;  // not implemented: PyTorch fallback
                 fail("%s: %s", op.c_str(), e.what());
               }
               ++nplans;
@@ -689,8 +694,10 @@ int main(int argc, char** argv) {
       ss >> pb.B >> pb.T >> pb.H >> pb.HV >> pb.K >> pb.V >> pb.N;
     } else if (cmd == "scale") {
       ss >> pb.scale;
-    } else if (cmd == "serve") {
-      ss >> pb.idx_cols >> pb.state_v_first >> pb.pool_rows;
+    } else if (cmd == "serve") {  // serve IDX_COLS STATE_V_FIRST POOL_ROWS POOL_DTYPE
+      std::string pd;
+      ss >> pb.idx_cols >> pb.state_v_first >> pb.pool_rows >> pd;
+      pb.pool_dt = kda_kernels::metal::dt_from_name(pd.c_str());
     } else if (cmd == "input") {  // input NAME FILE
       std::string name, path;
       ss >> name >> path;
