@@ -443,6 +443,9 @@ SERVE_CASES = {
     "per-token-vfirst": dict(B=1, T=8, H=1, HV=2, K=32, V=16, dtype=torch.bfloat16, P=12, cu=[0, 3, 3, 5, 8],
                              idx=[[7, 2, 5], [8, -1, 11], [6, -1, 5], [9, 3, -1]], nat=[2, 1, 3, 3],
                              pool_dtype=torch.float32, vfirst=True),
+    # [N, T] rows without num_accepted_tokens (start column 0), more columns than tokens, fp16 pool, K-first
+    "per-token-f16-pool": dict(B=2, T=3, H=2, HV=4, K=16, V=8, dtype=torch.float32, P=9,
+                               idx=[[0, 5, -1, 8], [2, 1, 3, 7]], pool_dtype=torch.float16, vfirst=False),
     # bf16 pool (computed in fp32, stored rounded), K = 48 (not a multiple of 32), fp16 inputs
     "n-rows-bf16-pool": dict(B=2, T=3, H=1, HV=2, K=48, V=8, dtype=torch.float16, P=4, idx=[3, 0],
                              pool_dtype=torch.bfloat16, vfirst=True),
@@ -475,7 +478,8 @@ def test_serve_matches_reference_and_leaves_other_rows(exes, fam, case):
     if idx.dim() == 1:
         written = {int(r) for r in idx if r >= 0}
     else:
-        lens = [int(x) for x in (ins["cu_seqlens"][1:] - ins["cu_seqlens"][:-1])]
+        cu = ins["cu_seqlens"]
+        lens = [int(x) for x in (cu[1:] - cu[:-1])] if cu is not None else [ins["q"].shape[1]] * idx.shape[0]
         for n in range(idx.shape[0]):
             start = int(idx[n, (int(nat[n]) if nat is not None else 1) - 1])
             if start >= 0:
