@@ -141,6 +141,29 @@ def check_gate_params(op, A_log, dt_bias, HV, K, per_channel, device):
     same_device(op, q_device_ref=torch.empty(0, device=device), A_log=A_log, dt_bias=dt_bias)
 
 
+def check_lower_bound(op, lower_bound):
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise TypeError(f"[{op}] lower_bound must be a Python float or None, got {type(lower_bound).__name__}")
+    if not (-float("inf") < lower_bound < 0):
+        # the gate is lower_bound * sigmoid(...): a bound >= 0 would make the decay >= 1 (a growing state)
+        raise ValueError(f"[{op}] lower_bound must be a finite number < 0, got {lower_bound}")
+
+
+def check_gate_inputs(op, g, A_log, dt_bias, lower_bound):
+    """Types, dtypes, devices and lower_bound of the standalone gate functions (shapes are checked by each)."""
+    tensor("g", g, op)
+    tensor("A_log", A_log, op)
+    if dt_bias is not None:
+        tensor("dt_bias", dt_bias, op)
+    for name, x in (("g", g), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is not None and x.dtype not in _FLOATS:
+            raise TypeError(f"[{op}] {name} must be float32, bfloat16 or float16, got {_name(x.dtype)}")
+    same_device(op, g=g, A_log=A_log, dt_bias=dt_bias)
+    check_lower_bound(op, lower_bound)
+
+
 def check_bool(op, **flags):
     for name, value in flags.items():
         if not isinstance(value, bool):

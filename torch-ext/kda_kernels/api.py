@@ -38,12 +38,7 @@ def _prepare(op, family, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_g
         _validate.check_gate_params(op, A_log, dt_bias, HV, K, per_channel, q.device)
     if lower_bound is not None and not use_gate_in_kernel:
         raise ValueError(f"[{op}] lower_bound applies to the fused gate: pass use_gate_in_kernel=True with it")
-    if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"[{op}] lower_bound must be a Python float or None, got {type(lower_bound).__name__}")
-        if not (-float("inf") < lower_bound < 0):
-            # the gate is lower_bound * sigmoid(...): a bound >= 0 would make the decay >= 1 (a growing state)
-            raise ValueError(f"[{op}] lower_bound must be a finite number < 0, got {lower_bound}")
+    _validate.check_lower_bound(op, lower_bound)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     if use_beta_sigmoid_in_kernel:
@@ -192,7 +187,16 @@ def _recurrent(op, family, q, k, v, g, beta, scale, initial_state, output_final_
         return o, (final if output_final_state else None)
     serve = getattr(ops, f"{family}_recurrent_serve")
     nacc = num_accepted_tokens.to(torch.long).contiguous() if num_accepted_tokens is not None else None
-    o = serve(q, k, v, g, beta, scale, pool, idx, nacc, cu, state_v_first)
+    if pool.is_contiguous():
+        o = serve(q, k, v, g, beta, scale, pool, idx, nacc, cu, state_v_first)
+    else:
+        # Core ops take contiguous tensors (docs/ops.md). A strided pool (a view into a bigger cache) is served
+        # through a contiguous copy of the rows this call names, which are then written back through the view.
+        rows = torch.unique(idx[idx >= 0])
+        work = pool[rows].contiguous()
+        local = torch.where(idx >= 0, torch.searchsorted(rows, idx), torch.full_like(idx, -1))
+        o = serve(q, k, v, g, beta, scale, work, local, nacc, cu, state_v_first)
+        pool[rows] = work
     return o, (pool if output_final_state else None)
 
 

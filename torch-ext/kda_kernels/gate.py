@@ -30,8 +30,7 @@ def _gate(g, A_log, dt_bias, lower_bound, per_channel):
 def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, head_k_dim=None, **kwargs):
     """Per-channel KDA gate. g: [..., HV, K], or [..., HV*K] with head_k_dim=K. Returns float32 [..., HV, K]."""
     op = "fused_kda_gate"
-    _validate.tensor("g", g, op)
-    _validate.tensor("A_log", A_log, op)
+    _validate.check_gate_inputs(op, g, A_log, dt_bias, lower_bound)
     HV = A_log.shape[0] if A_log.dim() == 1 else -1
     if A_log.dim() != 1:
         raise ValueError(f"[{op}] A_log must be [HV], got {list(A_log.shape)}")
@@ -50,8 +49,7 @@ def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, head_k_dim=None, **
 def fused_gdn_gate(g, A_log, dt_bias=None, lower_bound=None, **kwargs):
     """Per-head GDN gate. g: [..., HV]. Returns float32 [..., HV]."""
     op = "fused_gdn_gate"
-    _validate.tensor("g", g, op)
-    _validate.tensor("A_log", A_log, op)
+    _validate.check_gate_inputs(op, g, A_log, dt_bias, lower_bound)
     if A_log.dim() != 1 or g.shape[-1] != A_log.shape[0]:
         raise ValueError(f"[{op}] g must be [..., HV] and A_log [HV]; got g {list(g.shape)}, "
                          f"A_log {list(A_log.shape)}")
