@@ -23,6 +23,7 @@ OPS = [f"{fam}_{op}" for fam in ("kda", "gdn") for op in
        ("chunk_fwd", "chunk_bwd", "recurrent_fwd", "recurrent_bwd", "recurrent_serve")]
 TOL = {torch.float32: dict(o=1e-5, state=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dg=1e-5, dbeta=1e-5, dh0=1e-5),
        torch.bfloat16: dict(o=0.005, state=0.005, dq=0.008, dk=0.008, dv=0.008, dg=0.02, dbeta=0.02, dh0=0.008)}
+TOL[torch.float16] = TOL[torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +143,10 @@ def test_native_kernels_registered_and_ran(cpu):
     assert not fallback, f"fallback ran: {fallback}"
 
 
-# bf16 runs on a subset of the cases to keep the file fast
+# bf16 (and fp16) run on a subset of the cases to keep the file fast
 DTYPE_CASES = [pytest.param(c, torch.float32, id=f"{c}-fp32") for c in CASES] + \
-    [pytest.param(c, torch.bfloat16, id=f"{c}-bf16") for c in ("random", "varlen", "gva4_K100")]
+    [pytest.param(c, torch.bfloat16, id=f"{c}-bf16") for c in ("random", "varlen", "gva4_K100")] + \
+    [pytest.param("random", torch.float16, id="random-fp16")]
 
 
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
