@@ -8,6 +8,7 @@ exist but fail to build fails the test; one whose sources do not exist yet is sk
 Set KDA_TEST_BUILD_DIR=build to load the variants already built there instead.
 `kda_universal` is the torch-universal variant alone.
 """
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,19 +63,34 @@ def build_variant(backend):
     out = CACHE / f"{backend}-{_sources_hash(backend)}"
     if (out / name / "metadata.json").is_file():
         return out / name
-    tmp = CACHE / f"{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--backends", backend,
-                          "--out", str(tmp)], capture_output=True, text=True, cwd=ROOT)
-    if res.returncode != 0:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # one build at a time across concurrent test runs (build.py shares its object dir per variant)
+    with open(CACHE / f".{backend}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / name / "metadata.json").is_file():
+            return out / name
+        tmp = CACHE / f"{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"scripts/build.py --backends {backend} failed (exit {res.returncode}):\n"
-                           f"{res.stdout[-4000:]}{res.stderr[-8000:]}")
-    try:
-        tmp.rename(out)
-    except OSError:  # built concurrently by another test run: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--backends", backend,
+                              "--out", str(tmp)], capture_output=True, text=True, cwd=ROOT)
+        if res.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"scripts/build.py --backends {backend} failed (exit {res.returncode}):\n"
+                               f"{res.stdout[-4000:]}{res.stderr[-8000:]}")
+        try:
+            tmp.rename(out)
+        except OSError:  # built meanwhile by a run that did not take the lock: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+        _prune(backend, keep=out)
     return out / name
+
+
+def _prune(backend, keep, max_age_s=3600):
+    """Drop cached builds of `backend` unused for an hour (sources change often while kernels are written)."""
+    now = time.time()
+    for p in CACHE.glob(f"{backend}-*"):
+        if p != keep and now - p.stat().st_mtime > max_age_s:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def load_variant(path):

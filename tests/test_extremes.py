@@ -45,6 +45,30 @@ def test_unbounded_decay_is_finite(variant, family, mode, gate):
         check_against_reference(variant, family, mode, x, {}, torch.float32, floor=1e-20)
 
 
+@pytest.mark.parametrize("lo,hi", [(-5.0, 3.0), (-5.0, 7.0)], ids=["to_e3", "to_e7"])
+@ALL
+def test_decays_of_mixed_magnitudes_keep_dg_accurate(variant, family, mode, lo, hi):
+    """Log-uniform decays -g in [e^lo, e^hi] (from ~0 to -20 or -1100 per token), as a fused gate with a large
+    A_log produces: cumulative sums grow large while neighbouring differences stay small."""
+    B, T, HV, K = 1, 128, 2, 16
+    gen = torch.Generator().manual_seed(40)
+    g = -torch.exp(lo + (hi - lo) * torch.rand(_gshape(family, B, T, HV, K), generator=gen))
+    x = make_inputs(family, B=B, T=T, HV=HV, K=K, V=8, g=g, initial_state=True, seed=41)
+    check_against_reference(variant, family, mode, x, {}, torch.float32, floor=1e-20)
+
+
+@ALL
+def test_gate_saturated_at_lower_bound_keeps_dg_accurate(variant, family, mode):
+    """The fused gate with lower_bound = -5 saturates (sigmoid ~ 1): every decay is ~ -5, the realistic worst
+    case of Kimi's safe gate; dg is small (~e^-5) but must stay within 1e-5 relative."""
+    B, T, HV, K = 1, 129, 2, 16
+    x = make_inputs(family, B=B, T=T, HV=HV, K=K, V=8, gate_in_kernel=True, initial_state=True, seed=42)
+    x["g"] = 8 + x["g"].abs()
+    x["A_log"] = torch.tensor([1.0, 2.0])
+    check_against_reference(variant, family, mode, x, dict(use_gate_in_kernel=True, lower_bound=-5.0),
+                            torch.float32)
+
+
 @pytest.mark.parametrize("gate", [-1e3, -1e4], ids=lambda v: f"g{v:g}")
 @ALL
 def test_one_huge_decay_then_slow_decay_keeps_fp32_precision(variant, family, mode, gate):

@@ -269,6 +269,27 @@ def test_noncontiguous_pool_view_is_written_in_place(variant, family):
 
 
 @FAMILIES
+def test_transposed_view_pool_and_speculative_indices(variant, family):
+    """A [P, HV, V, K] pool that is the transposed view of a [P, HV, K, V] buffer (state_v_first), per-token
+    indices, and a strided pool whose indices are all negative (nothing read or written)."""
+    x = make_inputs(family, B=2, T=2, HV=HV, K=K, V=V, seed=16)
+    buf = make_pool()
+    pool = buf.transpose(-1, -2)
+    before = buf.clone()
+    idx = torch.tensor([[7, 2], [0, -1]])
+    nacc = torch.tensor([2, 1])
+    o, _ = call(variant, family, x, pool, idx, num_accepted_tokens=nacc, state_v_first=True)
+    o_ref, expect = _spec_reference(x, before.transpose(-1, -2), idx, nacc, None, state_v_first=True)
+    assert_close("o", o_ref, o, 1e-5)
+    assert_close("written rows", expect[[7, 2, 0]], pool[[7, 2, 0]], 1e-5)
+    assert_untouched(buf, before, [7, 2, 0])
+    strided = buf[::2]
+    snapshot = buf.clone()
+    o, _ = call(variant, family, x, strided, torch.tensor([-1, -1]))
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(buf, snapshot)
+
+
+@FAMILIES
 def test_bf16_pool_rows_are_written(variant, family):
     x = make_inputs(family, B=2, T=1, HV=HV, K=K, V=V, seed=14)
     pool = make_pool(dtype=torch.bfloat16)
