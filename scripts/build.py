@@ -289,7 +289,9 @@ def build_variant(backend, torch, meta, out, version, jobs):
     dst.mkdir(parents=True)
     log(f"{variant}: namespace {ns}")
     native, archs = None, None
-    tmp = ROOT / ".build-tmp" / variant
+    # object files per output dir, so concurrent builds of one variant into different --out dirs don't collide
+    out_key = hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:8]
+    tmp = ROOT / ".build-tmp" / "obj" / f"{variant}-{out_key}"
     tmp.mkdir(parents=True, exist_ok=True)
     if backend == "cpu":
         native = compile_cpu(torch, ns, dst, tmp, jobs)
