@@ -129,6 +129,36 @@ inline void diag_pair_bwd(int64_t Kp, float* __restrict ev, const float* __restr
   }
 }
 
+// T[t, j] = (xq_j q_t + xk_j k_t) k_j E[t, j] for j = t-1 .. 0, E[t, j] = prod_{j < m <= t} a_m (running product).
+inline void intra_gate_terms(int64_t Kp, int64_t t, float* __restrict ev, const float* __restrict a,
+                             const float* __restrict k, const float* __restrict qt, const float* __restrict kt,
+                             const float* __restrict xq, const float* __restrict xk, float* __restrict out) {
+  for (int64_t c = 0; c < Kp; ++c) ev[c] = 1.f;
+  for (int64_t j = t - 1; j >= 0; --j) {
+    const float* aj = a + (j + 1) * Kp;
+    const float* kj = k + j * Kp;
+    float* o = out + j * Kp;
+    const float vq = xq[j], vk = xk[j];
+    for (int64_t c = 0; c < Kp; ++c) {
+      ev[c] *= aj[c];
+      o[c] = (vq * qt[c] + vk * kt[c]) * kj[c] * ev[c];
+    }
+  }
+}
+
+// dg[i] += sum_{j < i} T[j] for i = 1 .. t (run: Kp floats of scratch).
+inline void prefix_add(int64_t Kp, int64_t t, const float* __restrict T, float* __restrict dg, float* __restrict run) {
+  for (int64_t c = 0; c < Kp; ++c) run[c] = 0.f;
+  for (int64_t i = 1; i <= t; ++i) {
+    float* d = dg + i * Kp;
+    const float* x = T + (i - 1) * Kp;
+    for (int64_t c = 0; c < Kp; ++c) {
+      run[c] += x[c];
+      d[c] += run[c];
+    }
+  }
+}
+
 inline void mul_rows(const float* __restrict x, const float* __restrict y, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * y[i];
 }
@@ -320,9 +350,16 @@ DeltaFwdResult chunk_fwd_entry(const char* op, const at::Tensor& q, const at::Te
 // ------------------------------------------------------------------------------------------- backward
 // One chunk backwards. S0: state at the chunk start; dS: dL/dS at its end, replaced by dL/dS0.
 // Leaves dq, dk (= dkp + dkm), dv (in b.dx's u part scaled), dg per row and dbeta in the buffers.
-inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, float* dS, float* dS0,
+// Cc is the chunk's real token count (Cp - Cc rows are padding).
+//
+// dg precision: two terms carry a factor of exactly 1 that does not depend on any gate — A_qk's diagonal and
+// Eend of the chunk's last real token. Their "+x" and "-x" land on the same row and cancel exactly, but each
+// is O(1): folded into dq / dkm before dG is formed they leave an absolute rounding floor (~1e-7) on dg,
+// which swamps the true dg when every decay is strong (gates of -10 and below make dg ~1e-9). They are
+// therefore kept out of dG and added to dq / dk only afterwards.
+inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, int64_t Cc, float sc, const float* S0, float* dS, float* dS0,
                            float* dv_out, float* dg_out, float* dbeta_out) {
-  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W, nb = Cp / SUB;
+  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W, nb = Cp / SUB, tl = Cc - 1;
   const float* gl = b.gam + (Cp - 1) * Kp;
   // O = sc (QG S0 + Aqk U)
   transpose(S0, Vp, b.s0t, Kp, Kp, Vp);  // s0t [Vp x Kp]
@@ -385,7 +422,9 @@ inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, 
     for (int64_t c = 0; c < Kp; ++c) {
       b.dkp[t * Kp + c] = bt * dr[Vp + c] * gt[c];
       b.dq[t * Kp + c] = b.dqg[t * Kp + c] * gt[c];
-      b.dkm[t * Kp + c] = b.dkend[t * Kp + c] * b.eend[t * Kp + c];
+      b.dkm[t * Kp + c] = t == tl ? 0.f : b.dkend[t * Kp + c] * b.eend[t * Kp + c];  // tl: added after dG
+      // gate terms of Q Gam and K Gam (decay factor Gam_t holds a_i for every i <= t)
+      b.dgv[t * Kp + c] = b.qg[t * Kp + c] * b.dqg[t * Kp + c] + b.kg[t * Kp + c] * bt * dr[Vp + c];
     }
     for (int64_t j = 0; j < CH; ++j) dl[t * CH + j] *= bt;  // now dA_kk
   }
@@ -398,13 +437,7 @@ inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, 
       const float* kt = b.k + t * Kp;
       float* dqt = b.dq + t * Kp;
       float* dkpt = b.dkp + t * Kp;
-      const float dd = b.daqk[t * CH + t];
-      float* dkmt = b.dkm + t * Kp;
-      for (int64_t c = 0; c < Kp; ++c) {
-        dqt[c] += dd * kt[c];
-        dkmt[c] += dd * qt[c];
-      }
-      std::fill(ev, ev + Kp, 1.f);
+      std::fill(ev, ev + Kp, 1.f);  // (the diagonal term dd = daqk[t, t] is added after dG)
       for (int64_t j = t - 1; j >= r0; --j)
         diag_pair_bwd(Kp, ev, b.a + (j + 1) * Kp, b.k + j * Kp, qt, kt, b.daqk[t * CH + j], dl[t * CH + j], dqt, dkpt,
                       b.dkm + j * Kp);
@@ -422,20 +455,38 @@ inline void chunk_bwd_step(ChunkBufs& b, int64_t Cp, float sc, const float* S0, 
     for (int64_t j = 0; j < r0; ++j)
       for (int64_t c = 0; c < Kp; ++c) b.dkm[j * Kp + c] += b.rr[j * Kp + c] * b.tmp[j * Kp + c];
   }
-  // dG = q dq + k (dkp - dkm); the last row also gets Gam_last's and Eend's terms; dg = reverse cumsum
-  float* dgv = b.dgv;
-  for (int64_t t = 0; t < Cp; ++t)
-    for (int64_t c = 0; c < Kp; ++c) {
-      const int64_t i = t * Kp + c;
-      dgv[i] = b.q[i] * b.dq[i] + b.k[i] * (b.dkp[i] - b.dkm[i]);
+  // dg directly (no reverse cumsum of +x/-x pairs): dg_i = the sum of the terms whose decay factor contains
+  // a_i, each of which is then proportional to a_i; under strong decay dg is as small as the truth and keeps
+  // its relative precision.
+  //   Q Gam, K Gam:   sum_{t >= i} (QG dQG + KG dKG)_t          Kend: sum_{t < i} (Kend dKend)_t
+  //   Gam_last:       dGam_last Gam_last                         A_qk, A_kk: sum_{t >= i > j} T[t,j]
+  // with T[t,j] = (dA_qk[t,j] q_t + dA_kk[t,j] k_t) k_j E[t,j] formed with exact per-channel decays.
+  for (int64_t c = 0; c < Kp; ++c) {
+    float run = 0.f;
+    for (int64_t t = Cp - 1; t >= 0; --t) {
+      run += b.dgv[t * Kp + c];
+      dg_out[t * Kp + c] = run;
     }
-  float* last = dgv + (Cp - 1) * Kp;
-  for (int64_t c = 0; c < Kp; ++c) last[c] += dgl[c] * gl[c];
-  for (int64_t t = 0; t < Cp; ++t)
-    for (int64_t c = 0; c < Kp; ++c) last[c] += b.dkend[t * Kp + c] * b.kend[t * Kp + c];
-  for (int64_t c = 0; c < Kp; ++c) dg_out[(Cp - 1) * Kp + c] = dgv[(Cp - 1) * Kp + c];
-  for (int64_t t = Cp - 2; t >= 0; --t)
-    for (int64_t c = 0; c < Kp; ++c) dg_out[t * Kp + c] = dg_out[(t + 1) * Kp + c] + dgv[t * Kp + c];
+    float pre = dgl[c] * gl[c];
+    for (int64_t t = 0; t < Cp; ++t) {
+      dg_out[t * Kp + c] += pre;
+      pre += b.kend[t * Kp + c] * b.dkend[t * Kp + c];
+    }
+  }
+  for (int64_t t = 1; t < Cp; ++t) {
+    float* tj = b.tmp;  // T[t, j] for j < t, [t x Kp]
+    intra_gate_terms(Kp, t, b.ev, b.a, b.k, b.q + t * Kp, b.k + t * Kp, b.daqk + t * CH, dl + t * CH, tj);
+    prefix_add(Kp, t, tj, dg_out, b.ev);
+  }
+  // the gate-free terms kept out of dG: A_qk's diagonal, and Eend of the last real token (= 1)
+  for (int64_t t = 0; t < Cp; ++t) {
+    const float dd = b.daqk[t * CH + t];
+    for (int64_t c = 0; c < Kp; ++c) {
+      b.dq[t * Kp + c] += dd * b.k[t * Kp + c];
+      b.dkm[t * Kp + c] += dd * b.q[t * Kp + c];
+    }
+  }
+  for (int64_t c = 0; c < Kp; ++c) b.dkm[tl * Kp + c] += b.dkend[tl * Kp + c] * b.eend[tl * Kp + c];
   for (int64_t i = 0; i < Cp * Kp; ++i) b.dkp[i] += b.dkm[i];  // dk
 }
 
@@ -500,7 +551,7 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             std::fill(b.dos + i * Vp, b.dos + (i + 1) * Vp, 0.f);
           }
         }
-        chunk_bwd_step(b, Cp, sc, st + c * KVp, dS, dS0, dvb, dgb, dbb);
+        chunk_bwd_step(b, Cp, Cc, sc, st + c * KVp, dS, dS0, dvb, dgb, dbb);
         std::swap(dS, dS0);
         for (int64_t i = 0; i < Cc; ++i) {
           const int64_t row = s.b * d.T + s.start + c0 + i;
