@@ -52,6 +52,7 @@ CASES = {
     "varlen":   (1, 200, 2, 2, 48, 100, [0, 0, 1, 64, 130, 130, 200], True, "s1"),
     "extreme":  (1, 130, 1, 2, 32, 64, None, True, "extreme"),
     "K128_noh0": (1, 130, 1, 1, 128, 128, None, False, "s1"),
+    "const_m20": (1, 70, 1, 2, 16, 8, None, True, "const-20"),  # every token wipes the state: dg ~ 1e-9
 }
 
 
@@ -67,6 +68,8 @@ def make_case(name, family, dtype, seed=0):
         g = torch.where(u < 0.3, -20 * torch.rand(gshape, generator=gen),
                         F.logsigmoid(torch.randn(gshape, generator=gen)) / 0.1)
         g = torch.where(u > 0.9, torch.zeros(()), g)
+    elif gate.startswith("const"):
+        g = torch.full(gshape, float(gate[5:]))
     else:
         g = F.logsigmoid(torch.randn(gshape, generator=gen)) / float(gate[1:])
     beta = torch.rand(B, T, HV, generator=gen)
