@@ -278,10 +278,11 @@ def compile_cuda(torch, ns, dst, tmp, jobs):
 
 def build_variant(backend, torch, meta, out, version, jobs):
     variant = variant_name(backend, torch)
-    srcs = package_files() + backend_sources(backend) + [ROOT / "torch-ext" / "torch_binding.cpp",
-                                                         ROOT / "torch-ext" / "torch_binding.h"]
-    if backend == "neuron":
-        srcs += sorted((SRC / "nki").glob("*.py"))
+    # every file that goes into the variant (headers included) determines its id / op namespace
+    srcs = package_files() + [ROOT / "torch-ext" / "torch_binding.cpp", ROOT / "torch-ext" / "torch_binding.h"]
+    src_dir = SRC / ("nki" if backend == "neuron" else backend)
+    if backend != "universal" and src_dir.is_dir():
+        srcs += sorted(p for p in src_dir.iterdir() if p.is_file())
     ns = f"_{meta['name'].replace('-', '_')}_{backend}_{content_hash(srcs, f'{variant}:{version}')}"
     dst = out / variant
     if dst.exists():
