@@ -1,6 +1,6 @@
 // Core ops the CUDA backend implements (docs/ops.md); torch_binding.cpp registers them for the CUDA key.
-// The chunk ops run the recurrent kernels for now (same function, exact; no tensor-core chunked kernel yet):
-// see docs/cuda.md.
+// kda_chunk_fwd / gdn_chunk_fwd run the tensor-core chunked forward (delta_chunk_fwd.cuh); the chunk_bwd ops run
+// the recurrent backward for now (same function, exact): see docs/cuda.md.
 #pragma once
 
 #define KDA_BACKEND_OPS(X)                                                                              \

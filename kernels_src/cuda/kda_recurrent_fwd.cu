@@ -1,17 +1,9 @@
 // kda_recurrent_fwd (per-channel gate g [B, T, HV, K]): token-by-token forward, docs/ops.md. Kernel: delta_recurrent_fwd.cuh.
-// kda_chunk_fwd computes the same function and runs the same kernel until a tensor-core chunked kernel exists.
 #include "delta_host.cuh"
 
 DeltaFwdResult kda_recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                   const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
                                   const std::optional<at::Tensor>& cu_seqlens) {
   return kda_kernels::cuda::recurrent_fwd<true>("kda_recurrent_fwd", q, k, v, g, beta, scale, initial_state,
-                                                   cu_seqlens);
-}
-
-DeltaFwdResult kda_chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                              const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
-                              const std::optional<at::Tensor>& cu_seqlens) {
-  return kda_kernels::cuda::recurrent_fwd<true>("kda_chunk_fwd", q, k, v, g, beta, scale, initial_state,
                                                    cu_seqlens);
 }

@@ -1,0 +1,169 @@
+"""CUDA chunked forward (kda_chunk_fwd / gdn_chunk_fwd) vs flash-linear-attention 0.6.0 chunk_kda /
+chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=128.
+
+    python3 benchmarks/cuda/bench_chunk_fwd.py      # writes $OUT (or benchmarks/results) cuda_chunk_fwd.{json,png}
+
+Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
+Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
+final state output, as shared/anchors/anchor_fla_graphs.py timed fla. Gates logsigmoid(randn)/8 as the anchors.
+Ours gets fp32 beta (the op contract), fla bf16 beta (as in the anchors). The RMS ratio of ours vs fla's output
+is printed as a sanity check. ratio = fla time / ours (above 1: ours faster).
+"""
+import json
+import os
+import sys
+import time
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+DEV = "cuda"
+RES = []
+VARLEN = [64, 8192, 128, 4096, 256, 2048, 512, 1024, 100, 3000, 777, 5000, 1500, 64, 6000, 2500]
+
+
+def rec(**kw):
+    RES.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def load_ours():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    path = ROOT / "build" / f"torch{major}{minor}-cxx11-cu{torch.version.cuda.replace('.', '')[:3]}-x86_64-linux"
+    spec = importlib.util.spec_from_file_location("kda_cuda_chunk_bench", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.BACKEND == "cuda" and mod.NATIVE
+    return mod
+
+
+def mk(B, T, H, HV, K, V, kda):
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
+    g = (F.logsigmoid(torch.randn(B, T, HV, K, device=DEV)) / 8) if kda else \
+        (F.logsigmoid(torch.randn(B, T, HV, device=DEV)) / 8)
+    beta = torch.rand(B, T, HV, device=DEV)
+    return q, k, v, g.float().contiguous(), beta
+
+
+def timed(fn):
+    fn()
+    torch.cuda.synchronize()
+    eager = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    try:
+        graph = do_bench_cudagraph(fn, rep=100)
+    except Exception as e:  # noqa: BLE001
+        print("graph error", repr(e)[:200], flush=True)
+        graph = None
+    return eager, graph
+
+
+def rms_ratio(ref, out):
+    ref, out = ref.double(), out.double()
+    return float((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def main():
+    ours = load_ours()
+    try:
+        from fla.ops.kda import chunk_kda
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        import fla
+        fla_ver = fla.__version__
+    except Exception as e:  # noqa: BLE001
+        print("fla unavailable:", repr(e)[:200])
+        chunk_kda = chunk_gated_delta_rule = None
+        fla_ver = None
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}; torch {torch.__version__}; fla {fla_ver}", flush=True)
+    shapes = [("B1_T8192_H16_HV32", 1, 8192, 16, 32, None),
+              ("B1_T32768_H16_HV32", 1, 32768, 16, 32, None),
+              ("B4_T4096_H32_HV32", 4, 4096, 32, 32, None),
+              ("varlen16_64-8192_H16_HV32", 1, sum(VARLEN), 16, 32, VARLEN)]
+    budget = float(os.environ.get("BENCH_BUDGET_S", "1e9"))
+    t_start = time.time()
+    for name, B, T, H, HV, lens in shapes:
+        for fam in ("kda", "gdn"):
+            if time.time() - t_start > budget:
+                print("time budget reached; stopping", flush=True)
+                break
+            q, k, v, g, beta = mk(B, T, H, HV, 128, 128, fam == "kda")
+            cu = None
+            if lens is not None:
+                cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long, device=DEV)
+            scale = 128 ** -0.5
+            op = getattr(ours.ops, f"{fam}_chunk_fwd")
+            with torch.inference_mode():
+                f_ours = lambda: op(q, k, v, g, beta, scale, None, cu)  # noqa: E731
+                oe, og = timed(f_ours)
+                row = dict(shape=name, family=fam, tokens=B * T, ours_eager_ms=round(oe, 4),
+                           ours_graph_ms=None if og is None else round(og, 4))
+                ffn = chunk_kda if fam == "kda" else chunk_gated_delta_rule
+                if ffn is not None:
+                    bb = beta.bfloat16()
+                    kw = dict(output_final_state=True)
+                    if cu is not None:
+                        kw["cu_seqlens"] = cu
+                    f_fla = lambda: ffn(q, k, v, g, bb, scale=scale, **kw)  # noqa: E731
+                    try:
+                        fe, fg = timed(f_fla)
+                        row.update(fla_eager_ms=round(fe, 4), fla_graph_ms=None if fg is None else round(fg, 4))
+                        if og and fg:
+                            row["ratio_graph"] = round(fg / og, 3)
+                        row["ratio_eager"] = round(fe / oe, 3)
+                        o1, s1 = f_ours()
+                        o2, s2 = f_fla()
+                        row["rms_vs_fla_o"] = round(rms_ratio(o2.float(), o1.float()), 6)
+                        row["rms_vs_fla_state"] = round(rms_ratio(s2.float(), s1.float()), 6)
+                    except Exception as e:  # noqa: BLE001
+                        row["fla_error"] = repr(e)[:200]
+                if og:
+                    row["ours_ns_per_token_graph"] = round(og * 1e6 / (B * T), 3)
+            rec(**row)
+            del q, k, v, g, beta
+            torch.cuda.empty_cache()
+    print(f"\nGPU: {gpu}")
+    print(f"{'shape':28s} {'fam':4s} {'fla eager':>10s} {'fla graph':>10s} {'ours eager':>10s} {'ours graph':>10s}"
+          f" {'x fla (graph)':>13s} {'x fla (eager)':>13s}")
+    for r in RES:
+        print(f"{r['shape']:28s} {r['family']:4s} {r.get('fla_eager_ms', float('nan')):10.4f} "
+              f"{r.get('fla_graph_ms') or float('nan'):10.4f} {r['ours_eager_ms']:10.4f} "
+              f"{r['ours_graph_ms'] or float('nan'):10.4f} {r.get('ratio_graph', float('nan')):13.3f} "
+              f"{r.get('ratio_eager', float('nan')):13.3f}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    json.dump({"gpu": gpu, "torch": torch.__version__, "fla": fla_ver, "results": RES},
+              open(OUT / "cuda_chunk_fwd.json", "w"), indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, fam in zip(axes, ("kda", "gdn")):
+            rows = [r for r in RES if r["family"] == fam]
+            xs = range(len(rows))
+            w = 0.2
+            for i, (key, lab) in enumerate((("fla_eager_ms", "fla eager"), ("fla_graph_ms", "fla graphs"),
+                                            ("ours_eager_ms", "ours eager"), ("ours_graph_ms", "ours graphs"))):
+                ax.bar([x + (i - 1.5) * w for x in xs], [r.get(key) or 0 for r in rows], w, label=lab)
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels([r["shape"].replace("_", "\n", 1) for r in rows], fontsize=7)
+            ax.set_ylabel("ms")
+            ax.set_title(f"{fam.upper()} chunked forward, bf16, K=V=128 ({gpu})", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(OUT / "cuda_chunk_fwd.png", dpi=110)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", repr(e)[:200])
+
+
+if __name__ == "__main__":
+    main()

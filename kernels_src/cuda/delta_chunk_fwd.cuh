@@ -1,0 +1,505 @@
+// Chunked forward of the delta rule (chunk C = 64) for KDA (per-channel gate) and GDN (per-head gate) on tensor
+// cores (mma.sync m16n8k8 tf32; 3xTF32 for fp32 inputs). Math: DESIGN.md section 3, mirrored from
+// torch-ext/kda_kernels/fallback/chunk.py. Per chunk, with G the cumulative log decay from the chunk start:
+//   A_kk[t,j] = sum_c k_t k_j e^{G_t - G_j} (j < t),  A_qk the same with q_t (j <= t)
+//   M = I + A_kk Diag(beta);  w = M^-1 (K e^G);  u0 = M^-1 V
+//   per chunk, carried state h:  U = u0 - w h;  o = scale (q e^G) h + scale A_qk Diag(beta) U;
+//                                h <- Diag(e^{G_last}) h + (beta K e^{G_last - G})^T U
+// Exact gates: e^{-G} is never formed. Pairs in one 16-token sub-chunk use e^{G_t - G_j} with the difference of
+// double-precision prefix sums; pairs across sub-chunks factor through the token r just before t's sub-chunk:
+// (x_t e^{G_t - G_r}) . (k_j e^{G_r - G_j}), both factors <= 1 for log decays <= 0, each exponent a direct sum
+// of the gates between the two tokens (no cancellation whatever the gate's size).
+//
+// Kernel 1 (delta_chunk_prep_kernel), one block per (chunk, value head): everything that does not depend on the
+// carried state, written to an fp32 workspace in mma fragment order (one float4 per lane per 16x8 tile).
+// Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
+// over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
+#pragma once
+
+#include "delta_common.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+
+constexpr int kChunk = 64;
+constexpr int kSub = 16;
+constexpr int kPrepThreads = 256;
+constexpr int kScanThreads = 128;
+
+struct ChunkFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const float* beta;
+  const float* h0;  // [N, HV, K, V] or nullptr
+  float* ht;        // [N, HV, K, V]
+  void* o;          // [B, T, HV, V]
+  const int64_t* cu_seqlens;
+  const int* chunk_off;  // varlen: [N + 1] first global chunk of each sequence
+  const int* chunk_seq;  // varlen: [max_chunks] sequence of each global chunk, -1 past the end
+  int in_dtype;
+  int B, T, H, HV, K, V, N;
+  int nc_per_seq;  // fixed length: chunks per sequence
+  float scale;
+  // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
+  float* ws;
+  int64_t ws_stride;  // floats per (chunk, head)
+};
+
+// Workspace slice of one (chunk, head): w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64] (fragment order),
+// decay [KP], u0 [64 x V] (row-major).
+template <int KP>
+struct WsLayout {
+  static constexpr int64_t w = 0;
+  static constexpr int64_t qg = w + kChunk * KP;
+  static constexpr int64_t kg = qg + kChunk * KP;
+  static constexpr int64_t aqk = kg + kChunk * KP;
+  static constexpr int64_t decay = aqk + kChunk * kChunk;
+  static constexpr int64_t u = decay + KP;
+  static int64_t floats(int V) { return u + static_cast<int64_t>(kChunk) * V; }
+};
+
+// Index of element (r, c) of a row-major [R x KD] A operand stored as m16n8k8 fragments: tile (r/16, c/8) is
+// 32 lanes x float4 {a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)}, g = lane / 4, t = lane % 4.
+template <int KD>
+__device__ __forceinline__ int frag_index(int r, int c) {
+  const int rr = r & 15, cc = c & 7;
+  const int lane = ((rr & 7) << 2) | (cc & 3);
+  const int slot = (rr >> 3) | ((cc >> 2) << 1);
+  return ((((r >> 4) * (KD / 8) + (c >> 3)) << 5) + lane) * 4 + slot;
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32_raw(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// c += a * b on one 16x8x8 tile. PRECISE: 3xTF32 (a_hi b_lo + a_lo b_hi + a_hi b_hi), about fp32 accuracy.
+template <bool PRECISE>
+__device__ __forceinline__ void mma8(float* c, const float4& a, float b0, float b1) {
+  const uint32_t ah0 = to_tf32(a.x), ah1 = to_tf32(a.y), ah2 = to_tf32(a.z), ah3 = to_tf32(a.w);
+  const uint32_t bh0 = to_tf32(b0), bh1 = to_tf32(b1);
+  if constexpr (PRECISE) {
+    const uint32_t al0 = to_tf32(a.x - __uint_as_float(ah0)), al1 = to_tf32(a.y - __uint_as_float(ah1));
+    const uint32_t al2 = to_tf32(a.z - __uint_as_float(ah2)), al3 = to_tf32(a.w - __uint_as_float(ah3));
+    const uint32_t bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
+    mma_tf32_raw(c, al0, al1, al2, al3, bh0, bh1);
+    mma_tf32_raw(c, ah0, ah1, ah2, ah3, bl0, bl1);
+  }
+  mma_tf32_raw(c, ah0, ah1, ah2, ah3, bh0, bh1);
+}
+
+// Global chunk -> (sequence, first token, tokens in chunk). Returns false for a slot past the last chunk.
+__device__ __forceinline__ bool chunk_coords(const ChunkFwdParams& p, int cid, int64_t& tok0, int& L) {
+  int n, i;
+  int64_t bos;
+  int len;
+  if (p.cu_seqlens != nullptr) {
+    n = p.chunk_seq[cid];
+    if (n < 0) return false;
+    i = cid - p.chunk_off[n];
+  } else {
+    n = cid / p.nc_per_seq;
+    i = cid - n * p.nc_per_seq;
+  }
+  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
+  tok0 = bos + static_cast<int64_t>(i) * kChunk;
+  L = min(kChunk, len - i * kChunk);
+  return L > 0;
+}
+
+// Varlen: chunk_off[n] (prefix of ceil(len_n / 64)) and chunk_seq[chunk]; one block of 1024 threads.
+static __global__ void __launch_bounds__(1024) delta_chunk_map_kernel(const int64_t* cu, int N, int max_chunks, int* off,
+                                                               int* seq) {
+  __shared__ int part[1024];
+  const int tid = threadIdx.x;
+  const int per = (N + 1023) / 1024;
+  const int n0 = min(N, tid * per), n1 = min(N, n0 + per);
+  int s = 0;
+  for (int n = n0; n < n1; ++n) s += static_cast<int>((cu[n + 1] - cu[n] + kChunk - 1) / kChunk);
+  part[tid] = s;
+  __syncthreads();
+  if (tid == 0) {
+    int acc = 0;
+    for (int i = 0; i < 1024; ++i) {
+      const int x = part[i];
+      part[i] = acc;
+      acc += x;
+    }
+    off[N] = acc;
+  }
+  __syncthreads();
+  int acc = part[tid];
+  for (int n = n0; n < n1; ++n) {
+    off[n] = acc;
+    const int c = static_cast<int>((cu[n + 1] - cu[n] + kChunk - 1) / kChunk);
+    for (int i = 0; i < c; ++i) seq[acc + i] = n;
+    acc += c;
+  }
+  __syncthreads();
+  const int total = off[N];
+  for (int i = total + tid; i < max_chunks; i += 1024) seq[i] = -1;
+}
+
+template <int KP>
+struct PrepSmem {
+  static constexpr int LD = KP + 4;  // fp32 row stride of q/k/R tiles (conflict-free fragment reads)
+  static constexpr int LDA = kChunk + 4;
+  static constexpr size_t qs = 0;
+  static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
+  static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;  // double P [64][KP], later float R [96][LD]
+  static constexpr size_t pr_bytes = (sizeof(double) * kChunk * KP > sizeof(float) * 96 * LD)
+                                         ? sizeof(double) * kChunk * KP
+                                         : sizeof(float) * 96 * LD;
+  static constexpr size_t aq = pr + pr_bytes;
+  static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
+  static constexpr size_t bs = ak + sizeof(float) * kChunk * LDA;
+  static constexpr size_t bytes = bs + sizeof(float) * kChunk;
+};
+
+template <bool PC, int KP, bool PRECISE>
+__global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const ChunkFwdParams p) {
+  using SM = PrepSmem<KP>;
+  constexpr int LD = SM::LD, LDA = SM::LDA;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* Qs = reinterpret_cast<float*>(smem + SM::qs);
+  float* Ks = reinterpret_cast<float*>(smem + SM::ks);
+  double* Pd = reinterpret_cast<double*>(smem + SM::pr);
+  float* Rs = reinterpret_cast<float*>(smem + SM::pr);
+  float* Aq = reinterpret_cast<float*>(smem + SM::aq);
+  float* Ak = reinterpret_cast<float*>(smem + SM::ak);
+  float* bs = reinterpret_cast<float*>(smem + SM::bs);
+
+  const int cid = blockIdx.x, hv = blockIdx.y;
+  int64_t tok0;
+  int L;
+  if (!chunk_coords(p, cid, tok0, L)) return;
+  const int h = hv / (p.HV / p.H);
+  const int K = p.K, V = p.V, HV = p.HV, dt = p.in_dtype;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
+  using WL = WsLayout<KP>;
+
+  auto gate = [&](int t, int c) -> float {
+    if (t >= L || c >= K) return 0.f;
+    const int64_t row = (tok0 + t) * HV + hv;
+    return PC ? p.g[row * K + c] : p.g[row];
+  };
+  auto kglob = [&](int t, int c) -> float {
+    if (t >= L || c >= K) return 0.f;
+    return load_in(p.k, ((tok0 + t) * p.H + h) * K + c, dt);
+  };
+
+  // ---- P0: q, k (zero padded), beta; clear A
+  for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
+    const int t = i / KP, c = i - (i / KP) * KP;
+    float qv = 0.f, kv = 0.f;
+    if (t < L && c < K) {
+      const int64_t off = ((tok0 + t) * p.H + h) * K + c;
+      qv = load_in(p.q, off, dt);
+      kv = load_in(p.k, off, dt);
+    }
+    Qs[t * LD + c] = qv;
+    Ks[t * LD + c] = kv;
+  }
+  for (int i = tid; i < kChunk * LDA; i += kPrepThreads) {
+    Aq[i] = 0.f;
+    Ak[i] = 0.f;
+  }
+  if (tid < kChunk) bs[tid] = tid < L ? p.beta[(tok0 + tid) * HV + hv] : 0.f;
+  __syncthreads();
+
+  // ---- P0a: per channel (double prefix sums): P = prefix within the sub-chunk, qg = scale q e^G,
+  //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}
+  if (tid < KP) {
+    const int c = tid;
+    double G = 0.0, P = 0.0;
+    for (int t = 0; t < kChunk; ++t) {
+      if ((t & (kSub - 1)) == 0) P = 0.0;
+      const float gt = gate(t, c);
+      G += gt;
+      P += gt;
+      Pd[t * KP + c] = P;
+      ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * __expf(static_cast<float>(G));
+    }
+    ws[WL::decay + c] = __expf(static_cast<float>(G));
+    double S = 0.0;
+    for (int t = kChunk - 1; t >= 0; --t) {
+      ws[WL::kg + frag_index<kChunk>(c, t)] = bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S));
+      S += gate(t, c);
+    }
+  }
+  __syncthreads();
+
+  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (warp per pair)
+  for (int pr = warp; pr < 4 * 136; pr += kPrepThreads / 32) {
+    const int a = pr / 136;
+    const int qq = pr - a * 136;
+    int tl = 0;
+    while ((tl + 1) * (tl + 2) / 2 <= qq) ++tl;
+    const int jl = qq - tl * (tl + 1) / 2;
+    const int t = a * kSub + tl, j = a * kSub + jl;
+    float sq = 0.f, sk = 0.f;
+    if (t < L) {
+      for (int c = lane; c < KP; c += 32) {
+        const float e = __expf(static_cast<float>(Pd[t * KP + c] - Pd[j * KP + c]));
+        const float kj = Ks[j * LD + c] * e;
+        sq = fmaf(Qs[t * LD + c], kj, sq);
+        sk = fmaf(Ks[t * LD + c], kj, sk);
+      }
+      sq = warp_sum_from<1>(sq);
+      sk = warp_sum_from<1>(sk);
+    }
+    if (lane == 0) {
+      Aq[t * LDA + j] = sq;
+      Ak[t * LDA + j] = (j < t) ? sk : 0.f;
+    }
+  }
+  __syncthreads();
+
+  // ---- P0b: left factors in place (rows of sub-chunks 1..3): x_t e^{G_t - G_r}, r = last token before t's
+  //      sub-chunk; then right factors R_a[j] = k_j e^{G_r - G_j} (j < 16a) over P's storage.
+  if (tid < KP) {
+    const int c = tid;
+    for (int t = kSub; t < kChunk; ++t) {
+      const float f = __expf(static_cast<float>(Pd[t * KP + c]));
+      Qs[t * LD + c] *= f;
+      Ks[t * LD + c] *= f;
+    }
+  }
+  __syncthreads();
+  if (tid < KP) {
+    const int c = tid;
+    for (int a = 1; a < 4; ++a) {
+      float* R = Rs + 8 * a * (a - 1) * LD;
+      double S = 0.0;
+      for (int j = a * kSub - 1; j >= 0; --j) {
+        R[j * LD + c] = kglob(j, c) * __expf(static_cast<float>(S));
+        S += gate(j, c);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- P2: cross-sub-chunk blocks on tensor cores: rows of sub-chunk a (q and k) x R_a^T
+  {
+    const int gq = lane >> 2, t4 = lane & 3;
+    for (int tile = warp; tile < 24; tile += kPrepThreads / 32) {
+      const int a = tile < 4 ? 1 : (tile < 12 ? 2 : 3);
+      const int local = tile - (a == 1 ? 0 : (a == 2 ? 4 : 12));
+      const int mat = local / (2 * a), nt = local - mat * 2 * a;
+      const float* As = (mat ? Ks : Qs) + a * kSub * LD;
+      const float* Bs = Rs + (8 * a * (a - 1) + nt * 8) * LD;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int ks = 0; ks < KP / 8; ++ks) {
+        const int c0 = ks * 8 + t4;
+        const float4 af = make_float4(As[gq * LD + c0], As[(gq + 8) * LD + c0], As[gq * LD + c0 + 4],
+                                      As[(gq + 8) * LD + c0 + 4]);
+        mma8<PRECISE>(acc, af, Bs[gq * LD + c0], Bs[gq * LD + c0 + 4]);
+      }
+      float* A = (mat ? Ak : Aq) + a * kSub * LDA + nt * 8 + 2 * t4;
+      A[gq * LDA] = acc[0];
+      A[gq * LDA + 1] = acc[1];
+      A[(gq + 8) * LDA] = acc[2];
+      A[(gq + 8) * LDA + 1] = acc[3];
+    }
+  }
+  __syncthreads();
+
+  // ---- P3: scale A_qk Diag(beta) -> workspace; A_kk Diag(beta) in place
+  for (int i = tid; i < kChunk * kChunk; i += kPrepThreads) {
+    const int t = i >> 6, j = i & 63;
+    ws[WL::aqk + frag_index<kChunk>(t, j)] = p.scale * Aq[t * LDA + j] * bs[j];
+    Ak[t * LDA + j] *= bs[j];
+  }
+  __syncthreads();
+
+  // ---- P4: forward substitution (I + A_kk Diag(beta)) X = [K e^G | V], one column per thread, in registers
+  for (int col = tid; col < KP + V; col += kPrepThreads) {
+    float x[kChunk];
+    if (col < KP) {
+      double G = 0.0;
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) {
+        G += gate(t, col);
+        x[t] = kglob(t, col) * __expf(static_cast<float>(G));
+      }
+    } else {
+      const int vc = col - KP;
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) x[t] = (t < L) ? load_in(p.v, ((tok0 + t) * HV + hv) * V + vc, dt) : 0.f;
+    }
+#pragma unroll
+    for (int t = 1; t < kChunk; ++t) {
+      // four independent partial sums (the FMA chain is the latency of this phase)
+      float s[4] = {x[t], 0.f, 0.f, 0.f};
+      const float* Arow = Ak + t * LDA;
+#pragma unroll
+      for (int j = 0; j < t; ++j) s[j & 3] = fmaf(-Arow[j], x[j], s[j & 3]);
+      x[t] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+    if (col < KP) {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) ws[WL::w + frag_index<KP>(t, col)] = x[t];
+    } else {
+      float* u = ws + WL::u + (col - KP);
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) u[t * V] = x[t];
+    }
+  }
+}
+
+// Scan: block = (sequence, value head, BV columns); 4 warps. Warp wi owns rows 16wi..16wi+15 of U and o, and
+// rows [wi * KP/4, (wi+1) * KP/4) of h.
+template <int KP, int BV, bool PRECISE>
+__global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const ChunkFwdParams p) {
+  constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
+  constexpr int NT = BV / 8;
+  constexpr int MT = KP / 64;  // 16-row tiles of h per warp
+  using WL = WsLayout<KP>;
+  __shared__ __align__(16) float hs[KP * LDH];
+  __shared__ __align__(16) float Us[kChunk * LDH];
+
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
+  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int K = p.K, V = p.V, HV = p.HV;
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
+  const int nch = (len + kChunk - 1) / kChunk;
+  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
+  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+
+  float hacc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
+      }
+  auto store_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+          hs[r * LDH + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
+        }
+  };
+  store_h();
+  __syncthreads();
+
+  for (int ci = 0; ci < nch; ++ci) {
+    const float* ws = p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride;
+    const int L = min(kChunk, len - ci * kChunk);
+    const float4* wf = reinterpret_cast<const float4*>(ws + WL::w) + wi * (KP / 8) * 32 + lane;
+    const float4* qf = reinterpret_cast<const float4*>(ws + WL::qg) + wi * (KP / 8) * 32 + lane;
+    const float4* af = reinterpret_cast<const float4*>(ws + WL::aqk) + wi * (kChunk / 8) * 32 + lane;
+    const float4* kf = reinterpret_cast<const float4*>(ws + WL::kg) + wi * MT * (kChunk / 8) * 32 + lane;
+
+    // U = u0 - w h
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ++ks) {
+      const float4 a = __ldg(wf + ks * 32);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma8<PRECISE>(acc[nt], a, hs[(ks * 8 + t4) * LDH + nt * 8 + gq], hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int cl = nt * 8 + 2 * t4 + (e & 1);
+        const float u0 = (v0 + cl < V) ? __ldg(ws + WL::u + r * V + v0 + cl) : 0.f;
+        Us[r * LDH + cl] = u0 - acc[nt][e];
+      }
+    __syncthreads();
+
+    // o = qg h + aqk U
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ++ks) {
+      const float4 a = __ldg(qf + ks * 32);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma8<PRECISE>(acc[nt], a, hs[(ks * 8 + t4) * LDH + nt * 8 + gq], hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+    }
+    for (int ks = 0; ks < 2 * wi + 2; ++ks) {
+      const float4 a = __ldg(af + ks * 32);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma8<PRECISE>(acc[nt], a, Us[(ks * 8 + t4) * LDH + nt * 8 + gq], Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        if (r < L && c < V) store_in(p.o, ((bos + ci * kChunk + r) * HV + hv) * V + c, p.in_dtype, acc[nt][e]);
+      }
+
+    // h <- Diag(decay) h + kg^T U
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int r = (wi * MT + mt) * 16 + gq;
+      const float d0 = __ldg(ws + WL::decay + r), d1 = __ldg(ws + WL::decay + r + 8);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        hacc[mt][nt][0] *= d0;
+        hacc[mt][nt][1] *= d0;
+        hacc[mt][nt][2] *= d1;
+        hacc[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 8; ++ks) {
+        const float4 a = __ldg(kf + (mt * (kChunk / 8) + ks) * 32);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma8<PRECISE>(hacc[mt][nt], a, Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
+                        Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+      }
+    }
+    __syncthreads();
+    store_h();
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
+      }
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels

@@ -1,0 +1,102 @@
+// Host side of the chunked forward (kernels: delta_chunk_fwd.cuh): checks, workspace, dispatch. Used by
+// kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
+// KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy), bf16/fp16 inputs tf32.
+#pragma once
+
+#include "delta_chunk_fwd.cuh"
+#include "delta_host.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+
+template <bool PC, int KP, bool PRECISE>
+void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = PrepSmem<KP>::bytes;
+  auto kern = delta_chunk_prep_kernel<PC, KP, PRECISE>;
+  static bool configured = false;  // once per instantiation (outside any graph capture in practice)
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured = true;
+  }
+  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kPrepThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int KP, int BV, bool PRECISE>
+void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
+  delta_chunk_scan_kernel<KP, BV, PRECISE><<<grid, kScanThreads, 0, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool PC, int KP, bool PRECISE>
+void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if (max_chunks > 0) launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+  // 16 columns per block when 32 would leave SMs idle
+  const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
+  const bool narrow = bv == 16 || (bv != 32 && static_cast<int64_t>(p.N) * p.HV * ((p.V + 31) / 32) < 2LL * num_sms());
+  if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
+  else launch_chunk_scan<KP, 32, PRECISE>(p, st);
+}
+
+template <bool PC>
+DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, double scale,
+                         const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu) {
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  kmax_for(s.K, op);
+  if (s.K > 128 || env_int("KDA_CUDA_CHUNK_FWD", 1) == 0)
+    return recurrent_fwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu);
+  c10::cuda::CUDAGuard guard(q.device());
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
+  at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, f32);
+  ChunkFwdParams p{};
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous() &&
+                    initial_state->device() == q.device() && initial_state->numel() == ht.numel(),
+                "[", op, "] initial_state must be a contiguous float32 [N, HV, K, V] tensor on q's device");
+    p.h0 = initial_state->data_ptr<float>();
+  }
+  if (s.N == 0 || s.HV == 0 || s.V == 0) return {o, ht};
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
+  p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
+  p.in_dtype = in_dtype_of(q, op);
+  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
+  p.scale = static_cast<float>(scale);
+  const int KP = s.K <= 64 ? 64 : 128;
+  p.ws_stride = KP == 64 ? WsLayout<64>::floats(s.V) : WsLayout<128>::floats(s.V);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  int64_t max_chunks;
+  at::Tensor map;
+  if (cu.has_value()) {
+    max_chunks = (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N;
+    map = at::empty({s.N + 1 + max_chunks}, q.options().dtype(at::kInt));
+    p.cu_seqlens = cu->data_ptr<int64_t>();
+    p.chunk_off = map.data_ptr<int>();
+    p.chunk_seq = map.data_ptr<int>() + s.N + 1;
+    delta_chunk_map_kernel<<<1, 1024, 0, st>>>(p.cu_seqlens, s.N, static_cast<int>(max_chunks),
+                                               map.data_ptr<int>(), map.data_ptr<int>() + s.N + 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    p.nc_per_seq = (s.T + kChunk - 1) / kChunk;
+    max_chunks = static_cast<int64_t>(s.B) * p.nc_per_seq;
+  }
+  TORCH_CHECK(max_chunks < (1LL << 31), "[", op, "] too many chunks");
+  at::Tensor ws = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
+  p.ws = ws.data_ptr<float>();
+  const bool precise = p.in_dtype == kF32;
+  const int mc = static_cast<int>(max_chunks);
+  if (KP == 64) {
+    if (precise) run_chunk_fwd<PC, 64, true>(p, mc, st);
+    else run_chunk_fwd<PC, 64, false>(p, mc, st);
+  } else {
+    if (precise) run_chunk_fwd<PC, 128, true>(p, mc, st);
+    else run_chunk_fwd<PC, 128, false>(p, mc, st);
+  }
+  return {o, ht};
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels

@@ -1,0 +1,9 @@
+// gdn_chunk_fwd (per-head gate g [B, T, HV]): chunked forward on tensor cores, docs/ops.md.
+// Kernels: delta_chunk_fwd.cuh; host: delta_chunk_fwd_host.cuh (K > 128 runs the recurrent kernel).
+#include "delta_chunk_fwd_host.cuh"
+
+DeltaFwdResult gdn_chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                              const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+                              const std::optional<at::Tensor>& cu_seqlens) {
+  return kda_kernels::cuda::chunk_fwd<false>("gdn_chunk_fwd", q, k, v, g, beta, scale, initial_state, cu_seqlens);
+}
