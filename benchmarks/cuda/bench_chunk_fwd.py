@@ -72,6 +72,23 @@ def rms_ratio(ref, out):
     return float((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+def kernel_breakdown(fn, iters=10):
+    """Per-kernel GPU time (ms per call) of fn from torch.profiler."""
+    from torch.profiler import profile, ProfilerActivity
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and ev.count >= iters:
+            out[ev.key[:90]] = round(t / 1e3 / iters, 4)
+    return out
+
+
 def main():
     ours = load_ours()
     try:
@@ -126,6 +143,11 @@ def main():
                         row["rms_vs_fla_state"] = round(rms_ratio(s2.float(), s1.float()), 6)
                     except Exception as e:  # noqa: BLE001
                         row["fla_error"] = repr(e)[:200]
+                if name.startswith("B1_T8192"):
+                    try:
+                        row["ours_kernels_ms"] = kernel_breakdown(f_ours)
+                    except Exception as e:  # noqa: BLE001
+                        row["ours_kernels_error"] = repr(e)[:200]
                 if og:
                     row["ours_ns_per_token_graph"] = round(og * 1e6 / (B * T), 3)
             rec(**row)

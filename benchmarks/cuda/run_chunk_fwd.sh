@@ -20,7 +20,7 @@ if [ -z "$SKIP_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-90} python3 -m pytest -q -n 8 tests/test_cuda_chunk_fwd.py -p no:cacheprovider \
     --junitxml="$OUT/tests_chunk_fwd.xml" > "$OUT/tests.log" 2>&1
   tail -25 "$OUT/tests.log"
-  timeout ${TEST2_TIMEOUT:-45} python3 -m pytest -q -n 8 tests/test_cuda_backend.py -k "chunk and fwd" -p no:cacheprovider \
+  timeout ${TEST2_TIMEOUT:-45} python3 -m pytest -q -n 8 tests/test_cuda_backend.py -k "chunk or native" -p no:cacheprovider \
     >> "$OUT/tests.log" 2>&1
   tail -4 "$OUT/tests.log"
 fi
