@@ -139,6 +139,7 @@ __device__ __forceinline__ float load_qk(const Params& p, const void* x, const C
   return load_in(x, ((cp.row0 + t) * p.H + h) * p.K + c, p.in_dtype);
 }
 
+template <bool PC>  // (a template so that each family's translation unit has its own instance)
 __global__ void chunk_table_kernel(Params p) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   int acc = 0;
@@ -261,29 +262,36 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
 }
 
 // ------------------------------------------------------------------------------------------------ state kernels
-// Kend = k Eend (descending running product) and, if QG, Q Gam (ascending); gl = Gam_last. Thread per channel.
+// Kend = k Eend (descending running product) and, if QG, Q Gam (ascending); gl = Gam_last. The chunk's k, q and
+// a = e^g are first staged in shared memory by all threads (coalesced), then each channel is scanned by one
+// thread. Contains a barrier: every thread of the block must call it.
 template <bool PC, bool QG>
 __device__ __forceinline__ void decay_rows(const Params& p, const ChunkPos& cp, int hv, float* kend, float* qg,
-                                           float* gl) {
+                                           float* abuf, float* gl) {
+  for (int i = threadIdx.x; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    abuf[t * LDK + c] = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    kend[t * LDK + c] = load_qk(p, p.k, cp, hv, t, c);
+    if (QG) qg[t * LDK + c] = load_qk(p, p.q, cp, hv, t, c);
+  }
+  __syncthreads();
   const int c = threadIdx.x;
   if (c >= KP) return;
   float gm = 1.f;
   for (int t = 0; t < CH; ++t) {
-    const float at = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
-    gm *= at;
-    if (QG) qg[t * LDK + c] = load_qk(p, p.q, cp, hv, t, c) * gm;
+    gm *= abuf[t * LDK + c];
+    if (QG) qg[t * LDK + c] *= gm;
   }
   gl[c] = gm;
   float e = 1.f;
   for (int t = CH - 1; t >= 0; --t) {
-    kend[t * LDK + c] = load_qk(p, p.k, cp, hv, t, c) * e;
-    const float at = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
-    e *= at;
+    kend[t * LDK + c] *= e;
+    e *= abuf[t * LDK + c];
   }
 }
 
-// smem: h [KP][VS], w [CH][LDK], kend [CH][LDK], U [CH][VS], gl [KP]
-constexpr size_t kStateFwdSmem = (KP * VS + 2 * CH * LDK + CH * VS + KP) * sizeof(float);
+// smem: h [KP][VS], w, kend, abuf [CH][LDK], U [CH][VS], gl [KP]
+constexpr size_t kStateFwdSmem = (KP * VS + 3 * CH * LDK + CH * VS + KP) * sizeof(float);
 
 template <bool PC>
 __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
@@ -294,6 +302,7 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
   float* kend = w + CH * LDK;
   float* U = kend + CH * LDK;
   float* gl = U + CH * VS;
+  float* abuf = gl + KP;
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
   for (int i = tid; i < KP * VS; i += NT) {
@@ -324,7 +333,7 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
       const int t = i / VS, v = v0 + i % VS;
       U[i] = (t < cp.Cc && v < V) ? p.u[((cp.row0 + t) * p.HV + hv) * V + v] : 0.f;
     }
-    decay_rows<PC, false>(p, cp, hv, kend, nullptr, gl);
+    decay_rows<PC, false>(p, cp, hv, kend, nullptr, abuf, gl);
     __syncthreads();
     bgemm<true>(CH, VS, KP, -1.f, w, LDK, 1, h, VS, 1, U, VS);  // U = u - w S0
     __syncthreads();
@@ -338,8 +347,8 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
   }
 }
 
-// smem: dS [KP][VS], aqk [CH][CH], dos [CH][VS], dU [CH][VS], kend, qg, w [CH][LDK], gl [KP]
-constexpr size_t kStateBwdSmem = (KP * VS + CH * CH + 2 * CH * VS + 3 * CH * LDK + KP) * sizeof(float);
+// smem: dS [KP][VS], aqk [CH][CH], dos [CH][VS], dU [CH][VS], kend, qg, w, abuf [CH][LDK], gl [KP]
+constexpr size_t kStateBwdSmem = (KP * VS + CH * CH + 2 * CH * VS + 4 * CH * LDK + KP) * sizeof(float);
 
 template <bool PC>
 __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
@@ -353,6 +362,7 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
   float* qg = kend + CH * LDK;
   float* w = qg + CH * LDK;
   float* gl = w + CH * LDK;
+  float* abuf = gl + KP;
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
   const int64_t nbase = (static_cast<int64_t>(n) * p.HV + hv) * K * V;
@@ -388,7 +398,7 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
       const int t = i / KP, cc = i % KP;
       w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
     }
-    decay_rows<PC, true>(p, cp, hv, kend, qg, gl);
+    decay_rows<PC, true>(p, cp, hv, kend, qg, abuf, gl);
     __syncthreads();
     bgemm<false>(CH, VS, CH, 1.f, aqk, 1, CH, dos, VS, 1, dU, VS);   // dU = A_qk^T dO
     bgemm<true>(CH, VS, KP, 1.f, kend, LDK, 1, dS, VS, 1, dU, VS);   //    + Kend dS1 (same thread mapping)
@@ -527,10 +537,19 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     const int t = i / CH, j = i % CH;
     if (j >= t) R4[i] = 0.f;
   }
+  // q, k into R5 (free since the X tiles are done)
+  float* qs = R5;
+  float* ks = R5 + CH * KP;
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    qs[i] = load_qk(p, p.q, cp, hv, t, c);
+    ks[i] = load_qk(p, p.k, cp, hv, t, c);
+  }
   // ---- stage C1 pass 1 (thread per channel, ascending): Gam; dq = dQG Gam; dRg = dR_w Gam (in place)
   if (tid < KP) {
     const int c = tid;
     float gm = 1.f;
+#pragma unroll 16
     for (int t = 0; t < CH; ++t) {
       const float at = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
       gm *= at;
@@ -551,7 +570,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
           s = fmaf(dr, load_in(p.v, tok(t) * V + c, p.in_dtype), s);
           store_in(p.dv, tok(t) * V + c, p.in_dtype, beta[t] * dr);
         }
-        for (int c = lane; c < K; c += 32) s = fmaf(R2[t * W + VP + c], load_qk(p, p.k, cp, hv, t, c), s);
+        for (int c = lane; c < K; c += 32) s = fmaf(R2[t * W + VP + c], ks[t * KP + c], s);
         for (int j = lane; j < t; j += 32) s = fmaf(R4[t * CH + j], p.akk[abase + t * CH + j], s);
       }
       s = warp_sum(s);
@@ -564,8 +583,9 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
   if (tid < KP) {
     const int c = tid;
     float e = 1.f, run = 0.f;
+#pragma unroll 16
     for (int t = CH - 1; t >= 0; --t) {
-      const float qt = load_qk(p, p.q, cp, hv, t, c), kt = load_qk(p, p.k, cp, hv, t, c);
+      const float qt = qs[t * KP + c], kt = ks[t * KP + c];
       run += qt * R0[t * KP + c] + kt * beta[t] * R2[t * W + VP + c];  // (Q Gam) dQG + (K Gam) beta dR_w
       R2[t * W + c] = run;
       R1[t * KP + c] *= e;                                              // Kend-part of dk
@@ -574,22 +594,18 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     }
     float pre = dgl[c] * gl[c];
     for (int t = 0; t < CH; ++t) {
-      const float kt = load_qk(p, p.k, cp, hv, t, c);
+      const float kt = ks[t * KP + c];
       R2[t * W + c] += pre;
       pre = fmaf(kt, R1[t * KP + c], pre);
       R1[t * KP + c] = fmaf(beta[t], R2[t * W + VP + c], R1[t * KP + c]);
     }
   }
   __syncthreads();
-  // q, k into R5, a into R2's w half
-  float* qs = R5;
-  float* ks = R5 + CH * KP;
+  // a into R2's w half
   float* dg = R2;  // stride W
   float* as = R2 + VP;  // stride W
   for (int i = tid; i < CH * KP; i += NT) {
     const int t = i / KP, c = i % KP;
-    qs[i] = load_qk(p, p.q, cp, hv, t, c);
-    ks[i] = load_qk(p, p.k, cp, hv, t, c);
     as[t * W + c] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
   }
   __syncthreads();

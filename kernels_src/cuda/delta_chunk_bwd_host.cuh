@@ -82,7 +82,7 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
                                         static_cast<int>(cb::kGradSmem)));
     attrs_set = true;
   }
-  cb::chunk_table_kernel<<<1, 32, 0, st>>>(p);
+  cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nsl = (s.V + cb::VS - 1) / cb::VS;
   if (nc_max > 0 && s.HV > 0) {
