@@ -14,7 +14,7 @@ t0=$(date +%s)
 TORCH_CUDA_ARCH_LIST=9.0 KDA_CUDA_PTXAS_VERBOSE=1 python3 scripts/build.py --backends cuda --jobs 16 \
   > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; echo BUILD FAILED; exit 1; }
 echo "build took $(( $(date +%s) - t0 ))s"
-[ -f scratch_diag.py ] && timeout 60 python3 scratch_diag.py 2>&1 | tee "$OUT/diag.log" | tail -12
+timeout ${DIAG_TIMEOUT:-60} python3 benchmarks/cuda/diag_chunk_bwd.py 2>&1 | tee "$OUT/diag.log" | tail -12
 if [ -z "$SKIP_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 8 tests/test_cuda_chunk_bwd.py ${EXTRA_TESTS} -p no:cacheprovider \
     --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -25
