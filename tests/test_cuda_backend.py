@@ -209,6 +209,8 @@ def _kfirst(pool, v_first):
 @pytest.mark.parametrize("K,V", [(128, 128), (40, 28), (192, 64)])
 @pytest.mark.parametrize("cw", ["4", "16"])  # both register tilings of the forward kernel (KDA_CUDA_FWD_CW)
 def test_serve_decode(family, pool_dtype, v_first, K, V, cw, monkeypatch):
+    # the general kernel (T = 1 would otherwise take the decode kernel, tested below)
+    monkeypatch.setenv("KDA_CUDA_DECODE", "0")
     monkeypatch.setenv("KDA_CUDA_FWD_CW", cw)
     B, HV, H, P = 5, 4, 2, 9
     q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, seed=11)

@@ -29,9 +29,15 @@ DEV = "cuda"
 RES = []
 
 
+META = {}
+PREFIX = ["cuda_bench"]
+
+
 def rec(**kw):
     RES.append(kw)
     print(json.dumps(kw), flush=True)
+    # rewritten after every row, so a run stopped by a time limit still leaves its JSON
+    (OUT / f"{PREFIX[0]}.json").write_text(json.dumps({"meta": META, "results": RES}, indent=1))
 
 
 def load_ours():
@@ -86,9 +92,11 @@ def main():
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
+    PREFIX[0] = args.prefix
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    meta = META
+    meta.update({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     try:
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

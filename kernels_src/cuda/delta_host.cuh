@@ -92,9 +92,10 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 }
 
 // Decode kernel configuration (dec_cw / dec_wk in delta_recurrent_fwd.cuh): KDA_CUDA_DEC_CFG=0..3 and
-// KDA_CUDA_DEC_STAGE=0|1|2 override.
-// Few (sequence, head) pairs: the most split configuration (3: 4 warps per item, fewest values per lane) so that
-// more SMs work; otherwise the configuration measured fastest on the H200 for that layout and storage width.
+// KDA_CUDA_DEC_STAGE=0|1|2 override. The defaults are the fastest variants of the sweep on the H200
+// (benchmarks/results/cuda_decode_session2.json, H=16 HV=32 K=V=128, B in {1, 64, 256}, CUDA graphs): shared-memory
+// staging (1) everywhere; K-first fp32 (32 columns, 4 warps), K-first bf16/fp16 (32 columns, 2 warps), V-first
+// fp32 (8 columns, 1 warp), V-first bf16/fp16 (16 columns, 1 warp; 2 warps when few (sequence, head) pairs).
 inline int cached_num_sms() {
   static int sms = 0;
   if (sms == 0) sms = num_sms();
@@ -111,10 +112,10 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   const int cfg = env_int("KDA_CUDA_DEC_CFG", -1);
   if (cfg >= 0 && cfg < kDecCfgs) {
     c.cfg = cfg;
-  } else if (static_cast<int64_t>(N) * HV < 2LL * cached_num_sms()) {
-    c.cfg = 3;
+  } else if (!v_first) {
+    c.cfg = esize == 4 ? 2 : 1;
   } else {
-    c.cfg = !v_first ? (esize == 4 ? 2 : 1) : (esize == 4 ? 1 : 2);
+    c.cfg = esize == 4 ? 0 : (static_cast<int64_t>(N) * HV < 2LL * cached_num_sms() ? 1 : 0);
   }
   const int stage = env_int("KDA_CUDA_DEC_STAGE", -1);
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
