@@ -1,7 +1,7 @@
 """The public API against the independent float64 reference (DESIGN.md sections 1, 2 and 6).
 
-Runs on every CPU-capable variant present in build/ (torch-universal always; the native cpu variant when
-built), forward and the gradient of every input, for KDA and GDN, chunked and recurrent.
+Runs on every variant that runs on this machine (conftest's `variant`: torch-universal and the native cpu
+variant, built from the current sources), forward and the gradient of every input, for KDA and GDN, chunked and recurrent.
 """
 import warnings
 
@@ -9,11 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _variants import built_variants, ensure_built, load
+from conftest import get_variant
 from ref_delta import assert_close, ref_delta_rule
-
-ensure_built("universal")
-CPU_VARIANTS = [v for v in built_variants() if v == "torch-universal" or "-cpu-" in v]
 
 TOL = {
     torch.float32: dict(o=1e-5, state=1e-5, dq=1e-5, dk=1e-5, dv=1e-5, dh0=1e-5, dg=1e-5, dbeta=1e-5, dA=1e-5),
@@ -22,9 +19,9 @@ TOL = {
 }
 
 
-@pytest.fixture(scope="module", params=CPU_VARIANTS)
-def kda(request):
-    return load(request.param)
+@pytest.fixture(scope="module")
+def kda(variant):
+    return variant
 
 
 def fn_of(mod, family, mode):
@@ -155,7 +152,7 @@ def test_public_api_matches_all(kda):
 
 
 def test_universal_variant_warns_once_about_missing_native_backend():
-    mod = load("torch-universal")
+    mod = get_variant("universal")
     x = make_inputs("gdn", T=5)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

@@ -3,15 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _variants import built_variants, ensure_built, load
 
-ensure_built("universal")
-CPU_VARIANTS = [v for v in built_variants() if v == "torch-universal" or "-cpu-" in v]
-
-
-@pytest.fixture(scope="module", params=CPU_VARIANTS)
-def kda(request):
-    return load(request.param)
+@pytest.fixture(scope="module")
+def kda(variant):
+    return variant
 
 
 def _inputs(B=1, T=20, H=2, HV=4, K=16, V=8, gdn=False, seed=0):

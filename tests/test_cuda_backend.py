@@ -129,7 +129,7 @@ def _cu(case):
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_fwd(family, case, dtype, mode):
     if mode == "chunk" and case not in ("random", "varlen", "extreme_gates"):
-        pytest.skip("chunk ops share the recurrent kernel; a subset suffices")
+        pytest.skip("the chunked forward has its own tests (test_cuda_chunk_fwd.py); a subset suffices")
     if dtype == torch.float16 and case not in ("random", "varlen", "extreme_gates"):
         pytest.skip("fp16 inputs take the bf16 path's code with another conversion; a subset suffices")
     cu = _cu(case)
@@ -209,6 +209,8 @@ def _kfirst(pool, v_first):
 @pytest.mark.parametrize("K,V", [(128, 128), (40, 28), (192, 64)])
 @pytest.mark.parametrize("cw", ["4", "16"])  # both register tilings of the forward kernel (KDA_CUDA_FWD_CW)
 def test_serve_decode(family, pool_dtype, v_first, K, V, cw, monkeypatch):
+    # the general kernel (T = 1 would otherwise take the decode kernel, tested below)
+    monkeypatch.setenv("KDA_CUDA_DECODE", "0")
     monkeypatch.setenv("KDA_CUDA_FWD_CW", cw)
     B, HV, H, P = 5, 4, 2, 9
     q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, seed=11)
@@ -302,3 +304,133 @@ def test_public_api_autograd_and_decode(family):
     with torch.no_grad():
         o, _ = rec(qd, kd, vd, gd, bd, initial_state=pool, ssm_state_indices=torch.tensor([2, 0, -1], device=DEV))
     assert torch.all(o[2] == 0) and torch.isfinite(o.float()).all()
+
+
+# ------------------------------------------------------------------------------------------------ decode kernel
+# delta_decode_kernel (one token per sequence): every configuration (KDA_CUDA_DEC_CFG 0-3), the register and the
+# shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
+# items per warp), and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape
+# kernels, other shapes the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
+DEC_VARIANTS = [f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
+
+
+def _dec_env(monkeypatch, variant):
+    if variant == "general":
+        monkeypatch.setenv("KDA_CUDA_DECODE", "0")
+        return
+    monkeypatch.setenv("KDA_CUDA_DECODE", "1")
+    monkeypatch.setenv("KDA_CUDA_DEC_CFG", variant[3])
+    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", variant[-1])
+
+
+def _decode_case(family, pool_dtype, v_first, B, K, V, seed, idx_kind="flat"):
+    """Pool of P > B rows in random order, a skipped slot every 7th sequence."""
+    HV, H = 4, 2
+    q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, seed=seed)
+    P = B + 5
+    _, pool = _pool(P, HV, K, V, pool_dtype, v_first, seed=seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    rows = torch.randperm(P, generator=gen)[:B]
+    rows[3::7] = -1
+    return q, k, v, g, beta, pool, rows
+
+
+@pytest.mark.parametrize("variant", DEC_VARIANTS)
+@pytest.mark.parametrize("B", [1, 3, 64, 300])
+@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_decode_serve(family, pool_dtype, v_first, B, variant, monkeypatch):
+    _dec_env(monkeypatch, variant)
+    K = V = 128
+    q, k, v, g, beta, pool, rows = _decode_case(family, pool_dtype, v_first, B, K, V, seed=100 + B)
+    before = _kfirst(pool, v_first).clone()
+    scale = K ** -0.5
+    o = getattr(OPS, f"{family}_recurrent_serve")(q, k, v, g, beta, scale, pool, rows.to(DEV), None, None, v_first)
+    torch.cuda.synchronize()
+    ro, rs = ref(q, k, v, g, beta, scale, before[rows.clamp(min=0)])
+    active = rows >= 0
+    ro = ro * active.view(B, 1, 1, 1)
+    assert torch.all(o[~active.to(DEV)] == 0)
+    assert_close("o", ro, o.cpu(), 0.005)
+    after = _kfirst(pool, v_first)
+    tol = 1e-5 if pool_dtype == torch.float32 else 0.005
+    written = rows[active]
+    assert_close("pool rows", rs[active], after[written], tol)
+    untouched = [r for r in range(pool.shape[0]) if r not in set(written.tolist())]
+    assert torch.equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("variant", [v for v in DEC_VARIANTS if v.endswith("0")] + ["general"])
+@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("K,V", [(40, 28), (16, 32), (64, 128), (128, 36), (120, 128)])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_decode_serve_generic_shapes(family, K, V, pool_dtype, v_first, variant, monkeypatch):
+    # shapes that are not K = V = 128 (ragged edges, scalar fallbacks), B = 3 and 64
+    _dec_env(monkeypatch, variant)
+    for B in (3, 64):
+        q, k, v, g, beta, pool, rows = _decode_case(family, pool_dtype, v_first, B, K, V, seed=200 + B + K)
+        before = _kfirst(pool, v_first).clone()
+        scale = K ** -0.5
+        o = getattr(OPS, f"{family}_recurrent_serve")(q, k, v, g, beta, scale, pool, rows.to(DEV), None, None,
+                                                      v_first)
+        torch.cuda.synchronize()
+        ro, rs = ref(q, k, v, g, beta, scale, before[rows.clamp(min=0)])
+        active = rows >= 0
+        assert_close("o", ro * active.view(B, 1, 1, 1), o.cpu(), 0.005)
+        after = _kfirst(pool, v_first)
+        assert_close("pool rows", rs[active], after[rows[active]], 1e-5 if pool_dtype == torch.float32 else 0.005)
+
+
+@pytest.mark.parametrize("variant", DEC_VARIANTS)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_decode_serve_nt_indices(family, v_first, pool_dtype, variant, monkeypatch):
+    # [N, C] indices with num_accepted_tokens and T = 1: read row idx[n, nacc - 1], write row idx[n, 0];
+    # a negative read row skips the sequence, a negative write row skips the write
+    _dec_env(monkeypatch, variant)
+    B, C, HV, H, K, V, P = 6, 3, 4, 2, 128, 128, 20
+    q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16, seed=31)
+    _, pool = _pool(P, HV, K, V, pool_dtype, v_first, seed=32)
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5], [-1, 6, 7], [8, -1, 9], [10, 11, 12], [13, 14, -1]])
+    nacc = torch.tensor([1, 3, 2, 3, 2, 3])
+    before = _kfirst(pool, v_first).clone()
+    scale = K ** -0.5
+    o = getattr(OPS, f"{family}_recurrent_serve")(q, k, v, g, beta, scale, pool, idx.to(DEV), nacc.to(DEV), None,
+                                                  v_first)
+    torch.cuda.synchronize()
+    after = _kfirst(pool, v_first)
+    tol = 1e-5 if pool_dtype == torch.float32 else 0.005
+    written = set()
+    for n in range(B):
+        src, dst = int(idx[n, nacc[n] - 1]), int(idx[n, 0])
+        if src < 0:
+            assert torch.all(o[n] == 0)
+            continue
+        ro, rs = ref(q[n:n + 1], k[n:n + 1], v[n:n + 1], g[n:n + 1], beta[n:n + 1], scale, before[src:src + 1])
+        assert_close(f"o[{n}]", ro[0], o[n].cpu(), 0.005)
+        if dst >= 0:
+            assert_close(f"pool[{dst}]", rs[0], after[dst], tol)
+            written.add(dst)
+    untouched = [r for r in range(P) if r not in written]
+    assert written == {0, 3, 8, 10} and torch.equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("variant", DEC_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("K,V", [(128, 128), (40, 28), (96, 64)])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_decode_core_fwd(family, K, V, dtype, variant, monkeypatch):
+    # the core op with T = 1 (initial state given or not, GVA) runs the decode kernel too
+    _dec_env(monkeypatch, variant)
+    for B, with_h0 in ((3, True), (64, False), (300, True)):
+        q, k, v, g, beta = make_inputs(family, B=B, T=1, H=1, HV=4, K=K, V=V, dtype=dtype, seed=40 + B)
+        h0 = torch.randn(B, 4, K, V, device=DEV) if with_h0 else None
+        scale = K ** -0.5
+        o, s = getattr(OPS, f"{family}_recurrent_fwd")(q, k, v, g, beta, scale, h0, None)
+        ro, rs = ref(q, k, v, g, beta, scale, h0)
+        assert o.dtype == dtype and s.dtype == torch.float32
+        assert_close("o", ro, o.cpu(), TOL_FWD[dtype])
+        assert_close("final_state", rs, s.cpu(), TOL_FWD[dtype])

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from _variants import ROOT
+from conftest import ROOT
 
 REPO = "kda-test-org/kda-kernels"
 

@@ -3,7 +3,7 @@ import json
 import re
 import tomllib
 
-from _variants import ROOT
+from conftest import ROOT
 
 SUFFIXES = {"cpu": (".cpp", ".h"), "cuda": (".cu", ".cuh", ".h", ".cpp"), "metal": (".metal", ".mm", ".h")}
 

@@ -6,7 +6,7 @@
 #include <optional>
 #include <tuple>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // at::Tensor only: ATen/ATen.h costs ~20 s of compile per file
 
 using DeltaFwdResult = std::tuple<at::Tensor, at::Tensor>;  // (o, final_state)
 using DeltaBwdResult =

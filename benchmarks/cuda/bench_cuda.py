@@ -1,6 +1,9 @@
 """CUDA backend vs flash-linear-attention 0.6.0, side by side in one process on one GPU.
 
     python3 benchmarks/cuda/bench_cuda.py            # writes $OUT (or benchmarks/results) cuda_bench.json + PNG
+    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session2 --decode-only --sweep
+        # decode only, plus every decode-kernel variant (KDA_CUDA_DEC_CFG x KDA_CUDA_DEC_STAGE, and the general
+        # kernel with KDA_CUDA_DECODE=0) on fp32 / bf16 pools in both layouts, CUDA graphs only
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -9,6 +12,7 @@ next to a 4 GB device-to-device copy measured in the same run (the ceiling). Our
 (what a kernel-hub layer calls), the in-place serving op on fp32 and bf16 pools, and the public Python API with
 fla's exact inputs. Prefill/training: recurrent fwd and fwd+bwd at B1 T8192 H16 HV32 and B8 T1024.
 """
+import argparse
 import json
 import os
 import sys
@@ -25,9 +29,15 @@ DEV = "cuda"
 RES = []
 
 
+META = {}
+PREFIX = ["cuda_bench"]
+
+
 def rec(**kw):
     RES.append(kw)
     print(json.dumps(kw), flush=True)
+    # rewritten after every row, so a run stopped by a time limit still leaves its JSON
+    (OUT / f"{PREFIX[0]}.json").write_text(json.dumps({"meta": META, "results": RES}, indent=1))
 
 
 def load_ours():
@@ -52,23 +62,41 @@ def mk(B, T, H, HV, K, V, kda, req=False):
     return [x.requires_grad_(req) for x in (q, k, v, g.float(), beta)]
 
 
-def timed(fn, graphs=True):
+def timed(fn, graphs=True, eager=True, rep=200):
     fn()
     torch.cuda.synchronize()
-    eager = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    eager = do_bench(fn, warmup=25, rep=rep, return_mode="median") if eager else None
     graph = None
     if graphs:
         try:
-            graph = do_bench_cudagraph(fn, rep=200, return_mode="median")
+            graph = do_bench_cudagraph(fn, rep=rep, return_mode="median")
         except Exception as e:  # noqa: BLE001
             print("graph failed:", repr(e)[:200])
     return eager, graph
 
 
+DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
+                for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE")
+
+
+def set_env(env):
+    for k in DEC_ENV:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefix", default="cuda_bench")
+    ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    PREFIX[0] = args.prefix
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    meta = META
+    meta.update({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     try:
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -130,11 +158,29 @@ def main():
                 poolvf = h0.transpose(-1, -2).contiguous()
                 e, gr = timed(lambda: serve(q, k, v, g, beta32, scale, poolvf, idx, None, None, True))
                 row("ours_serve_fp32_pool_vfirst", e, gr, fp32_bytes)
-            del h0, pool32, pool16, poolvf
+                poolvf16 = poolvf.to(torch.bfloat16)
+                e, gr = timed(lambda: serve(q, k, v, g, beta32, scale, poolvf16, idx, None, None, True))
+                row("ours_serve_bf16_pool_vfirst", e, gr, bf16_bytes)
+                if args.sweep:  # every decode variant, CUDA graphs only
+                    pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
+                             ("fp32_pool_vfirst", poolvf, True, fp32_bytes),
+                             ("bf16_pool_vfirst", poolvf16, True, bf16_bytes))
+                    for vname, env in DEC_VARIANTS:
+                        set_env(env)
+                        for pname, pool, vf, nbytes in pools:
+                            _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool, idx, None, None, vf),
+                                          eager=False, rep=60)
+                            rec(name=f"{fam}_decode_sweep", impl=f"serve_{pname}:{vname}", B=B, graph_ms=round(gr, 5),
+                                graph_TBps=round(nbytes / gr / 1e9, 3))
+                        _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False, rep=60)
+                        rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
+                            graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                    set_env({})
+            del h0, pool32, pool16, poolvf, poolvf16
             torch.cuda.empty_cache()
 
     # prefill / training shapes: recurrent fwd, fwd+bwd; fla chunk for reference
-    for (B, T) in ((1, 8192), (8, 1024)):
+    for (B, T) in (() if args.decode_only else ((1, 8192), (8, 1024))):
         for fam in ("kda", "gdn"):
             kda = fam == "kda"
             q, k, v, g, beta = mk(B, T, H, HV, K, V, kda)
@@ -157,10 +203,10 @@ def main():
             torch.cuda.empty_cache()
 
     out = {"meta": meta, "results": RES}
-    (OUT / "cuda_bench.json").write_text(json.dumps(out, indent=1))
+    (OUT / f"{args.prefix}.json").write_text(json.dumps(out, indent=1))
     table(out)
     try:
-        plot(out)
+        plot(out, args.prefix)
     except Exception as e:  # noqa: BLE001
         print("plot failed:", repr(e)[:200])
 
@@ -171,38 +217,47 @@ def table(out):
     print("\n| op | B | impl | eager ms | graph ms | graph TB/s | x fla (graph time) |")
     print("|---|---|---|---|---|---|---|")
     for r in res:
-        if "decode" not in r["name"]:
+        if "decode" not in r["name"] or "sweep" in r["name"]:
             continue
         f = fla.get((r["name"], r["B"]))
         ratio = (f["graph_ms"] / r["graph_ms"]) if f and r.get("graph_ms") and f.get("graph_ms") else None
         print(f"| {r['name']} | {r['B']} | {r['impl']} | {r['eager_ms']:.4f} | {r.get('graph_ms')} | "
               f"{r.get('graph_TBps')} | {'' if ratio is None else f'{ratio:.2f}'} |")
+    print("\n| op | B | variant | graph ms | graph TB/s | x fla (graph time) |")
+    print("|---|---|---|---|---|---|")
+    for r in res:
+        if "sweep" not in r["name"]:
+            continue
+        f = fla.get((r["name"].replace("_sweep", ""), r["B"]))
+        ratio = (f["graph_ms"] / r["graph_ms"]) if f and r.get("graph_ms") and f.get("graph_ms") else None
+        print(f"| {r['name']} | {r['B']} | {r['impl']} | {r['graph_ms']} | {r['graph_TBps']} | "
+              f"{'' if ratio is None else f'{ratio:.2f}'} |")
     print()
     for r in res:
         if "decode" not in r["name"]:
             print(r)
 
 
-def plot(out):
+def plot(out, prefix="cuda_bench"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    res = [r for r in out["results"] if "decode" in r["name"] and r.get("graph_TBps")]
+    res = [r for r in out["results"] if "decode" in r["name"] and "sweep" not in r["name"] and r.get("graph_TBps")]
     copy = [r for r in out["results"] if r["name"].startswith("d2d")][0]["TBps"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    impls = ["fla_0.6.0", "ours_core_fwd", "ours_serve_fp32_pool", "ours_serve_bf16_pool"]
+    impls = ["fla_0.6.0", "ours_core_fwd", "ours_serve_fp32_pool", "ours_serve_bf16_pool", "ours_serve_fp32_pool_vfirst"]
     for ax, fam in zip(axes, ("kda", "gdn")):
         for i, impl in enumerate(impls):
             rr = [r for r in res if r["name"] == f"{fam}_decode" and r["impl"] == impl]
-            xs = [j + i * 0.2 for j in range(len(rr))]
-            ax.bar(xs, [r["graph_TBps"] for r in rr], width=0.2, label=impl)
-            ax.set_xticks([j + 0.3 for j in range(len(rr))], [f"B={r['B']}" for r in rr])
+            xs = [j + i * 0.16 for j in range(len(rr))]
+            ax.bar(xs, [r["graph_TBps"] for r in rr], width=0.16, label=impl)
+            ax.set_xticks([j + 0.32 for j in range(len(rr))], [f"B={r['B']}" for r in rr])
         ax.axhline(copy, color="k", ls="--", lw=1, label=f"d2d copy {copy:.2f} TB/s")
         ax.set_title(f"{fam.upper()} decode, H16 HV32 K=V=128, CUDA graphs ({out['meta']['gpu']})")
         ax.set_ylabel("state bytes read+written / time (TB/s)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "cuda_decode_bandwidth.png", dpi=110)
+    fig.savefig(OUT / ("cuda_decode_bandwidth.png" if prefix == "cuda_bench" else f"{prefix}.png"), dpi=110)
 
 
 if __name__ == "__main__":

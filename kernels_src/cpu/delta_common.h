@@ -16,8 +16,11 @@
 #include <type_traits>
 #include <vector>
 
-#include <ATen/ATen.h>
+// The few ATen pieces used, not ATen/ATen.h: that header alone costs ~20 s of compile per file.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "torch_binding.h"
 

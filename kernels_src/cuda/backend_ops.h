@@ -1,6 +1,6 @@
 // Core ops the CUDA backend implements (docs/ops.md); torch_binding.cpp registers them for the CUDA key.
-// kda_chunk_fwd / gdn_chunk_fwd run the tensor-core chunked forward (delta_chunk_fwd.cuh); the chunk_bwd ops run
-// the recurrent backward for now (same function, exact): see docs/cuda.md.
+// kda_chunk_fwd / gdn_chunk_fwd: tensor-core chunked forward (delta_chunk_fwd.cuh); kda_chunk_bwd / gdn_chunk_bwd:
+// chunked backward (delta_chunk_bwd.cuh). See docs/cuda.md.
 #pragma once
 
 #define KDA_BACKEND_OPS(X)                                                                              \

@@ -91,6 +91,37 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
   return heads * ((V + 15) / 16) >= 8LL * num_sms() ? 16 : 4;
 }
 
+// Decode kernel configuration (dec_cw / dec_wk in delta_recurrent_fwd.cuh): KDA_CUDA_DEC_CFG=0..3 and
+// KDA_CUDA_DEC_STAGE=0|1|2 override. The defaults are the fastest variants of the sweep on the H200
+// (benchmarks/results/cuda_decode_session2.json, H=16 HV=32 K=V=128, B in {1, 64, 256}, CUDA graphs): shared-memory
+// staging (1) everywhere; K-first fp32 (32 columns, 4 warps), K-first bf16/fp16 (32 columns, 2 warps), V-first
+// fp32 (8 columns, 1 warp), V-first bf16/fp16 (16 columns, 1 warp; 2 warps when few (sequence, head) pairs).
+inline int cached_num_sms() {
+  static int sms = 0;
+  if (sms == 0) sms = num_sms();
+  return sms;
+}
+
+struct DecChoice {
+  int cfg;    // 0..3, see dec_cw / dec_wk
+  int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
+};
+
+inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
+  DecChoice c{};
+  const int cfg = env_int("KDA_CUDA_DEC_CFG", -1);
+  if (cfg >= 0 && cfg < kDecCfgs) {
+    c.cfg = cfg;
+  } else if (!v_first) {
+    c.cfg = esize == 4 ? 2 : 1;
+  } else {
+    c.cfg = esize == 4 ? 0 : (static_cast<int64_t>(N) * HV < 2LL * cached_num_sms() ? 1 : 0);
+  }
+  const int stage = env_int("KDA_CUDA_DEC_STAGE", -1);
+  c.stage = stage >= 0 && stage <= 2 ? stage : 1;
+  return c;
+}
+
 // Defined in delta_fwd_launch.cuh and explicitly instantiated in delta_fwd_launch_{f32,bf16,f16}.cu (one file
 // per state dtype, so the kernels compile in parallel).
 template <bool PC, bool VF, typename S>

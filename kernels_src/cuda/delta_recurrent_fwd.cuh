@@ -13,6 +13,8 @@
 // q, k and e^g of the token are staged in shared memory (double-buffered per warp, prefetched one token ahead).
 #pragma once
 
+#include <type_traits>
+
 #include "delta_common.cuh"
 
 namespace kda_kernels {
@@ -38,6 +40,9 @@ struct FwdParams {
   int idx_cols;                   // 0 when idx is [N]
   const int64_t* num_accepted;    // serve, [N] or nullptr
   bool vec;                       // the state's contiguous axis allows aligned 4-wide accesses
+                                  // (decode kernel: 16-byte accesses; the launcher sets it)
+  bool tvec;                      // decode kernel: q, k, g rows allow aligned 16-byte loads (K % 8 == 0)
+  bool vvec;                      // decode kernel: v rows allow aligned 16-byte loads (V % 8 == 0)
 };
 
 template <bool VF, int CW, int KMAX>
@@ -266,6 +271,467 @@ __global__ void __launch_bounds__(32 * kFwdWarps, 4) delta_recurrent_fwd_kernel(
   } else if (p.idx_cols == 0) {
     fwd_store_tile<S, VF, CW, KMAX>(s, reinterpret_cast<S*>(p.s_out) + in_row * row_elems + hv * head_elems, K, V,
                                     c0, kg, vg, p.vec);
+  }
+}
+
+
+// ================================================================================================ decode kernel
+// Specialisation for decoding (about one token per sequence): no token staging and no prefetch registers, every
+// load (state tile, q, k, g, v, beta) is issued before any math so all of a warp's bytes are in flight at once,
+// every state access moves 16 bytes per lane, and few registers per lane so that many warps are resident.
+//
+// A work item = (sequence, value head, slice of CW columns of V). WK warps split the item's K rows (cross-warp
+// sums through shared memory and named barriers); a block holds WI = NW / WK items. A lane holds a TR x TC tile:
+//   K-first [K, V]: TC = E consecutive columns (16 bytes of one row), TR consecutive rows; LV lanes span a row's
+//                   CW columns (LV x 16 contiguous bytes per row), LK lanes span the warp's rows.
+//   V-first [V, K]: TR = E consecutive rows (16 bytes of one column), TC consecutive columns.
+// E = 16 / sizeof(state dtype): 4 fp32 values, 8 bf16/fp16 values (fp32 math, rounding on store). The kernel
+// loops over a sequence's tokens, so it is exact for any length; the host picks it when sequences have ~1 token.
+template <bool VF, typename S, int CW, int WK, int KMAX>
+struct DecGeo {
+  static constexpr int E = 16 / static_cast<int>(sizeof(S));
+  static constexpr int RW = KMAX / WK;                            // rows per warp
+  static constexpr int LK = VF ? RW / E : 32 / (CW / E);           // lanes across the warp's rows
+  static constexpr int LV = 32 / LK;                               // lanes across the item's columns
+  static constexpr int TR = VF ? E : RW / LK;                      // rows per lane (consecutive)
+  static constexpr int TC = VF ? CW / LV : E;                      // columns per lane (consecutive)
+  static constexpr int NW = WK > 4 ? WK : 4;                       // warps per block
+  static constexpr int WI = NW / WK;                               // items per block
+  static_assert(LK * LV == 32 && TR * LK == RW && TC * LV == CW && TR >= 1 && TC >= 1, "decode geometry");
+  static_assert(!VF || TR == E, "decode geometry");
+  static_assert(VF || TC == E, "decode geometry");
+  static_assert(WK == 1 || WI <= 2, "named barriers: at most 2 items per block split K");
+  // lane = VF ? vg * LK + kg : kg * LV + vg
+  __device__ __forceinline__ static int lane_k(int lane) { return VF ? lane % LK : lane / LV; }
+  __device__ __forceinline__ static int lane_v(int lane) { return VF ? lane / LK : lane % LV; }
+  __device__ __forceinline__ static float ksum(float x) { return VF ? warp_sum_below<LK>(x) : warp_sum_from<LV>(x); }
+};
+
+// The decode configurations: (CW, WK) per state layout and storage width (KDA_CUDA_DEC_CFG picks one). Configs
+// 0-2 give every lane 8 chunks of 16 bytes (4 KB of state per warp; V-first bf16/fp16 config 1: 4 chunks) and
+// differ in how many warps share an item; config 3 splits an item the most (small batches: more warps, shorter).
+//   K-first fp32: (8,1) (16,2) (32,4) (8,4)     K-first bf16/fp16: (16,1) (32,2) (64,4) (16,4)
+//   V-first fp32: (8,1) (16,2) (32,4) (4,4)     V-first bf16/fp16: (16,1) (16,2) (32,2) (4,2)
+constexpr int kDecCfgs = 4;
+__host__ __device__ constexpr int dec_cw(bool vf, int esize, int cfg) {
+  return !vf ? (esize == 4 ? (cfg == 0 ? 8 : cfg == 1 ? 16 : cfg == 2 ? 32 : 8)
+                           : (cfg == 0 ? 16 : cfg == 1 ? 32 : cfg == 2 ? 64 : 16))
+             : (esize == 4 ? (cfg == 0 ? 8 : cfg == 1 ? 16 : cfg == 2 ? 32 : 4)
+                           : (cfg == 0 ? 16 : cfg == 1 ? 16 : cfg == 2 ? 32 : 4));
+}
+__host__ __device__ constexpr int dec_wk(bool vf, int esize, int cfg) {
+  return !vf ? (esize == 4 ? (cfg == 0 ? 1 : cfg == 1 ? 2 : cfg == 2 ? 4 : 4)
+                           : (cfg == 0 ? 1 : cfg == 1 ? 2 : cfg == 2 ? 4 : 4))
+             : (esize == 4 ? (cfg == 0 ? 1 : cfg == 1 ? 2 : cfg == 2 ? 4 : 4)
+                           : (cfg == 0 ? 1 : cfg == 1 ? 2 : cfg == 2 ? 2 : 2));
+}
+
+__device__ __forceinline__ float2 unpack_half2(uint32_t w, bool bf) {
+  if (bf) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// E consecutive state values (16 bytes when `vec` and n >= E); missing values read as 0.
+template <typename S, int E>
+__device__ __forceinline__ void dec_load_state(const S* p, float (&x)[E], int n, bool vec) {
+  if (vec && n >= E) {
+    if constexpr (sizeof(S) == 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p);
+      x[0] = f.x; x[1] = f.y; x[2] = f.z; x[3] = f.w;
+    } else {
+      const uint4 r = *reinterpret_cast<const uint4*>(p);
+      constexpr bool bf = std::is_same<S, __nv_bfloat16>::value;
+      float2 a = unpack_half2(r.x, bf), b = unpack_half2(r.y, bf), c = unpack_half2(r.z, bf),
+             d = unpack_half2(r.w, bf);
+      x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y; x[4] = c.x; x[5] = c.y; x[6] = d.x; x[7] = d.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = e < n ? StateIO<S>::load1(p + e) : 0.f;
+  }
+}
+
+template <typename S, int E>
+__device__ __forceinline__ void dec_store_state(S* p, const float (&x)[E], int n, bool vec) {
+  if (vec && n >= E) {
+    if constexpr (sizeof(S) == 4) {
+      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (std::is_same<S, __nv_bfloat16>::value) {
+          __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
+          w[e] = *reinterpret_cast<uint32_t*>(&h);
+        } else {
+          __half2 h = __floats2half2_rn(x[2 * e], x[2 * e + 1]);
+          w[e] = *reinterpret_cast<uint32_t*>(&h);
+        }
+      }
+      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      if (e < n) StateIO<S>::store1(p + e, x[e]);
+  }
+}
+
+// N consecutive input values (runtime dtype dt) at element offset off; vector loads when `vec` (off is a multiple
+// of N, the base 16-byte aligned) and all N exist; missing values read as `fill`.
+template <int N>
+__device__ __forceinline__ void dec_load_in(const void* p, int64_t off, int dt, int n, bool vec, float (&x)[N],
+                                            float fill) {
+  if (N % 4 == 0 && vec && n >= N) {
+    if (dt == kF32) {
+#pragma unroll
+      for (int c = 0; c < N / 4; ++c) {
+        const float4 f = reinterpret_cast<const float4*>(p)[(off >> 2) + c];
+        x[4 * c] = f.x; x[4 * c + 1] = f.y; x[4 * c + 2] = f.z; x[4 * c + 3] = f.w;
+      }
+    } else if (N % 8 == 0) {
+#pragma unroll
+      for (int c = 0; c < N / 8; ++c) {
+        const uint4 r = reinterpret_cast<const uint4*>(p)[(off >> 3) + c];
+        const bool bf = dt == kBF16;
+        float2 a = unpack_half2(r.x, bf), b = unpack_half2(r.y, bf), cc = unpack_half2(r.z, bf),
+               d = unpack_half2(r.w, bf);
+        x[8 * c] = a.x; x[8 * c + 1] = a.y; x[8 * c + 2] = b.x; x[8 * c + 3] = b.y;
+        x[8 * c + 4] = cc.x; x[8 * c + 5] = cc.y; x[8 * c + 6] = d.x; x[8 * c + 7] = d.y;
+      }
+    } else {  // N == 4, 2-byte values: one 8-byte load
+      const uint2 r = reinterpret_cast<const uint2*>(p)[off >> 2];
+      const bool bf = dt == kBF16;
+      float2 a = unpack_half2(r.x, bf), b = unpack_half2(r.y, bf);
+      x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] = e < n ? load_in(p, off + e, dt) : fill;
+  }
+}
+
+// Named barriers of item wi (at most 2 items per block use them): ids 1 + 2 wi (sync) and 2 + 2 wi (arrive/sync).
+// Immediate ids so that ptxas reserves only the barriers used.
+template <int ID>
+__device__ __forceinline__ void bar_sync(int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(nthreads) : "memory");
+}
+template <int ID>
+__device__ __forceinline__ void bar_arrive(int nthreads) {
+  asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(nthreads) : "memory");
+}
+template <int SLOT>
+__device__ __forceinline__ void named_sync(int wi, int nthreads) {
+  if (wi == 0) bar_sync<1 + SLOT>(nthreads);
+  else bar_sync<3 + SLOT>(nthreads);
+}
+template <int SLOT>
+__device__ __forceinline__ void named_arrive(int wi, int nthreads) {
+  if (wi == 0) bar_arrive<1 + SLOT>(nthreads);
+  else bar_arrive<3 + SLOT>(nthreads);
+}
+
+template <bool VF, typename S, int CW, int WK, int KMAX>
+__device__ __forceinline__ void dec_tile_io(float (&s)[DecGeo<VF, S, CW, WK, KMAX>::TR][DecGeo<VF, S, CW, WK, KMAX>::TC],
+                                            const S* lbase, S* sbase, int K, int V, int row0, int col0, bool vec,
+                                            bool full) {
+  // exactly one of lbase / sbase is non-null
+  using G = DecGeo<VF, S, CW, WK, KMAX>;
+  constexpr int TR = G::TR, TC = G::TC, E = G::E;
+  if constexpr (!VF) {
+    const int nc = full ? E : min(E, V - col0);
+#pragma unroll
+    for (int i = 0; i < TR; ++i) {
+      const int r = row0 + i;
+      const int n = (full || r < K) ? nc : 0;
+      const int64_t off = static_cast<int64_t>(r) * V + col0;
+      if (lbase) dec_load_state<S, E>(lbase + off, s[i], n, vec);
+      else dec_store_state<S, E>(sbase + off, s[i], n, vec);
+    }
+  } else {
+    const int nr = full ? E : min(E, K - row0);
+#pragma unroll
+    for (int j = 0; j < TC; ++j) {
+      const int c = col0 + j;
+      const int n = (full || c < V) ? nr : 0;
+      const int64_t off = static_cast<int64_t>(c) * K + row0;
+      float x[E];
+      if (lbase) {
+        dec_load_state<S, E>(lbase + off, x, n, vec);
+#pragma unroll
+        for (int i = 0; i < TR; ++i) s[i][j] = x[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < TR; ++i) x[i] = s[i][j];
+        dec_store_state<S, E>(sbase + off, x, n, vec);
+      }
+    }
+  }
+}
+
+// STAGE: 0 = state tile in registers; 1 = state tile copied into shared memory with cp.async (no registers held
+// while its bytes are in flight) and streamed from there; 2 = as 1 with two items per warp group, both items'
+// copies issued up front (twice the bytes in flight per warp).
+template <bool VF, typename S, int CW, int WK, int STAGE>
+struct DecBounds {
+  using G = DecGeo<VF, S, CW, WK, 128>;
+  static constexpr int kThreads = 32 * G::NW;
+  // (STAGE 2 with 4 warps: shared memory allows 7 blocks per SM, so 72 registers cost no occupancy)
+  static constexpr int kRegCap = STAGE == 2 ? 72 : STAGE ? 64 : (G::TR * G::TC <= 16 ? 64 : (G::TR * G::TC <= 32 ? 80 : 128));
+  static constexpr int kMinBlocks = 65536 / (kThreads * kRegCap);
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// One token per sequence (T == 1, no cu_seqlens; the host checks). FIX = 128: K = V = 128 and every access aligned
+// (the host checks), no ragged-edge code; FIX = 0: any K <= 128 and V. The new state is stored chunk by chunk
+// during the update sweep.
+template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE>
+__global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
+                                  DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
+    delta_decode_kernel(const FwdParams p) {
+  constexpr int KMAX = 128;
+  using G = DecGeo<VF, S, CW, WK, KMAX>;
+  constexpr int TR = G::TR, TC = G::TC, E = G::E, WI = G::WI, NW = G::NW;
+  constexpr int IPW = STAGE == 2 ? 2 : 1;  // items per warp group
+  constexpr int NCH = VF ? TC : TR;        // 16-byte state chunks per lane: rows (K-first) or columns (V-first)
+  __shared__ float red_p[IPW][WI][WK][CW];  // per item: a warp may write item 1's partials while another still
+                                           // reads item 0's (the second barrier is arrive-only for warps > 0)
+  __shared__ float red_o[WI][WK][CW];
+  __shared__ uint4 stage[STAGE ? NW : 1][IPW][STAGE ? NCH : 1][32];  // [chunk][lane]: conflict-free accesses
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wi = warp / WK, wk = warp % WK;
+  const int64_t total = static_cast<int64_t>(p.N) * p.HV * p.slices;
+  constexpr bool full = FIX != 0;
+  const int K = full ? FIX : p.K, V = full ? FIX : p.V, HV = p.HV, H = p.H, dt = p.in_dtype;
+  const bool vec = full || p.vec, tvec = full || p.tvec, vvec = full || p.vvec;
+  const int kg = G::lane_k(lane), vg = G::lane_v(lane);
+  const int row0 = wk * G::RW + kg * TR;
+  const bool out_lane = wk == 0 && kg == 0;  // stores o for this lane's columns
+  const int64_t head_elems = static_cast<int64_t>(K) * V;
+  const int64_t row_elems = head_elems * HV;
+
+  // item it of this warp group: (sequence n, value head hv, column slice sl); its state rows
+  struct Item {
+    int64_t item, in_row, out_row;
+    int n, hv, col0;
+  };
+  auto get_item = [&](int it) {
+    Item m;
+    m.item = (static_cast<int64_t>(blockIdx.x) * IPW + it) * WI + wi;
+    const int64_t itc = m.item < total ? m.item : 0;
+    const int sl = static_cast<int>(itc % p.slices);
+    const int64_t nh = itc / p.slices;
+    m.hv = static_cast<int>(nh % p.HV);
+    m.n = static_cast<int>(nh / p.HV);
+    m.col0 = sl * CW + vg * TC;
+    m.in_row = m.out_row = m.n;
+    if (p.serve && m.item < total) {
+      if (p.idx_cols == 0) {
+        m.in_row = m.out_row = p.idx[m.n];
+      } else {
+        const int start_col = p.num_accepted ? static_cast<int>(p.num_accepted[m.n]) - 1 : 0;
+        m.in_row = p.idx[static_cast<int64_t>(m.n) * p.idx_cols + start_col];
+        m.out_row = p.idx[static_cast<int64_t>(m.n) * p.idx_cols];  // token 0 writes column 0 (negative: none)
+      }
+    }
+    return m;
+  };
+  // chunk c of a lane: element offset in the head's state and the number of values that exist
+  auto chunk_off = [&](int col0, int c) -> int64_t {
+    return VF ? static_cast<int64_t>(col0 + c) * K + row0 : static_cast<int64_t>(row0 + c) * V + col0;
+  };
+  auto chunk_n = [&](int col0, int c) -> int {
+    if (full) return E;
+    return VF ? ((col0 + c) < V ? min(E, K - row0) : 0) : ((row0 + c) < K ? min(E, V - col0) : 0);
+  };
+
+  Item items[IPW];
+#pragma unroll
+  for (int it = 0; it < IPW; ++it) items[it] = get_item(it);
+  // ---- shared-memory variants: every item's state copies are issued first
+  if constexpr (STAGE != 0) {
+#pragma unroll
+    for (int it = 0; it < IPW; ++it) {
+      const Item& m = items[it];
+      const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
+      const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) {
+        void* sp = &stage[warp][it][c][lane];
+        const int nn = live ? chunk_n(m.col0, c) : 0;
+        if (vec && nn >= E) {
+          cp_async16(sp, src + chunk_off(m.col0, c));
+        } else {
+          S* d8 = reinterpret_cast<S*>(sp);
+#pragma unroll
+          for (int e = 0; e < E; ++e)
+            StateIO<S>::store1(d8 + e, e < nn ? StateIO<S>::load1(src + chunk_off(m.col0, c) + e) : 0.f);
+        }
+      }
+      cp_async_commit();
+    }
+  }
+
+#pragma unroll 1  // one item at a time (the other item's bytes stay in flight)
+  for (int it = 0; it < IPW; ++it) {
+    const Item m = IPW == 1 ? items[0] : get_item(it);
+    if (m.item >= total) break;  // uniform over the item's WK warps; later items are out of range too
+    const int col0 = m.col0, hv = m.hv, h = hv / (HV / H);
+    const int64_t tok = m.n;  // one token per sequence
+    const int nrow = full ? TR : min(TR, K - row0), ncol = full ? TC : min(TC, V - col0);
+    if (m.in_row < 0) {  // padding slot: zero outputs, no state read or written
+      if (out_lane)
+        for (int j = 0; j < ncol; ++j) store_in(p.o, (tok * HV + hv) * V + col0 + j, dt, 0.f);
+      continue;
+    }
+    S* dst = m.out_row >= 0 ? reinterpret_cast<S*>(p.s_out) + m.out_row * row_elems + hv * head_elems : nullptr;
+
+    float s[STAGE ? 1 : TR][STAGE ? 1 : TC];
+    if constexpr (STAGE == 0) {
+      if (p.s_in != nullptr) {
+        dec_tile_io<VF, S, CW, WK, KMAX>(s, reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems +
+                                                hv * head_elems, nullptr, K, V, row0, col0, vec, full);
+      } else {
+#pragma unroll
+        for (int i = 0; i < TR; ++i)
+#pragma unroll
+          for (int j = 0; j < TC; ++j) s[i][j] = 0.f;
+      }
+    }
+    float qv[TR], kv[TR], dv[TR], vv[TC];
+    dec_load_in<TR>(p.q, (tok * H + h) * K + row0, dt, nrow, tvec, qv, 0.f);
+    dec_load_in<TR>(p.k, (tok * H + h) * K + row0, dt, nrow, tvec, kv, 0.f);
+    if (PC) {
+      dec_load_in<TR>(p.g, (tok * HV + hv) * K + row0, kF32, nrow, tvec, dv, 0.f);
+    } else {
+      dv[0] = p.g[tok * HV + hv];
+    }
+    dec_load_in<TC>(p.v, (tok * HV + hv) * V + col0, dt, ncol, vvec, vv, 0.f);
+    const float beta = p.beta[tok * HV + hv];
+    if constexpr (STAGE != 0) {  // each lane reads back only the chunks it copied itself
+      if (IPW - 1 - it == 1) cp_async_wait<1>();
+      else cp_async_wait<0>();
+    }
+
+    if (PC) {
+#pragma unroll
+      for (int i = 0; i < TR; ++i) dv[i] = expf(dv[i]);
+    } else {
+      const float d0 = expf(dv[0]);
+#pragma unroll
+      for (int i = 0; i < TR; ++i) dv[i] = d0;
+    }
+    // chunk c as fp32 values
+    auto get_chunk = [&](int c, float (&x)[E]) {
+      if constexpr (STAGE != 0) {
+        dec_load_state<S, E>(reinterpret_cast<const S*>(&stage[warp][it][c][lane]), x, E, true);
+      } else if constexpr (VF) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = s[e][c];
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = s[c][e];
+      }
+    };
+
+    // pass 1: p = (Diag(e^g) S)^T k
+    float pr[TC];
+#pragma unroll
+    for (int j = 0; j < TC; ++j) pr[j] = 0.f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      float x[E];
+      get_chunk(c, x);
+      if constexpr (VF) {
+#pragma unroll
+        for (int i = 0; i < TR; ++i) pr[c] = fmaf(x[i], kv[i] * dv[i], pr[c]);
+      } else {
+        const float kd = kv[c] * dv[c];
+#pragma unroll
+        for (int j = 0; j < TC; ++j) pr[j] = fmaf(x[j], kd, pr[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < TC; ++j) pr[j] = G::ksum(pr[j]);
+    if constexpr (WK > 1) {
+      float(*rp)[CW] = red_p[it][wi];
+      if (kg == 0) {
+#pragma unroll
+        for (int j = 0; j < TC; ++j) rp[wk][vg * TC + j] = pr[j];
+      }
+      named_sync<0>(wi, 32 * WK);
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WK; ++w) acc += rp[w][vg * TC + j];
+        pr[j] = acc;
+      }
+    }
+    // pass 2: S = Diag(e^g) S + k (beta (v - p))^T, stored chunk by chunk; o = S^T q
+    float del[TC], ov[TC];
+#pragma unroll
+    for (int j = 0; j < TC; ++j) {
+      del[j] = beta * (vv[j] - pr[j]);
+      ov[j] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      float x[E];
+      get_chunk(c, x);
+      if constexpr (VF) {
+#pragma unroll
+        for (int i = 0; i < TR; ++i) {
+          x[i] = fmaf(x[i], dv[i], kv[i] * del[c]);
+          ov[c] = fmaf(x[i], qv[i], ov[c]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < TC; ++j) {
+          x[j] = fmaf(x[j], dv[c], kv[c] * del[j]);
+          ov[j] = fmaf(x[j], qv[c], ov[j]);
+        }
+      }
+      if (dst != nullptr) dec_store_state<S, E>(dst + chunk_off(col0, c), x, chunk_n(col0, c), vec);
+    }
+#pragma unroll
+    for (int j = 0; j < TC; ++j) ov[j] = G::ksum(ov[j]);
+    if constexpr (WK > 1) {
+      // red_o is rewritten by the next item only after that item's first barrier, which warp 0 reaches after
+      // reading this item's partials
+      float(*ro)[CW] = red_o[wi];
+      if (kg == 0) {
+#pragma unroll
+        for (int j = 0; j < TC; ++j) ro[wk][vg * TC + j] = ov[j];
+      }
+      if (wk == 0) {
+        named_sync<1>(wi, 32 * WK);
+#pragma unroll
+        for (int j = 0; j < TC; ++j) {
+          float acc = 0.f;
+#pragma unroll
+          for (int w = 0; w < WK; ++w) acc += ro[w][vg * TC + j];
+          ov[j] = acc;
+        }
+      } else {
+        named_arrive<1>(wi, 32 * WK);
+      }
+    }
+    if (out_lane) {
+      const int64_t ob = (tok * HV + hv) * V + col0;
+#pragma unroll
+      for (int j = 0; j < TC; ++j)
+        if (j < ncol) store_in(p.o, ob + j, dt, p.scale * ov[j]);
+    }
   }
 }
 

@@ -1,0 +1,195 @@
+"""Chunked forward+backward through the public API: ours (chunk_kda / chunk_gated_delta_rule of this package,
+CUDA backend) side by side with flash-linear-attention 0.6.0, in one process on one GPU.
+
+    python3 benchmarks/cuda/bench_chunk_bwd.py     # writes $OUT (or benchmarks/results) cuda_chunk_bwd.json + .png
+
+bf16 q/k/v, fp32 g and beta, K=V=128, gates logsigmoid(randn)/8, no initial state, output_final_state=True; shapes
+B1 T8192 H16 HV32, B1 T32768 H16 HV32, B4 T4096 H=HV=32. fwd+bwd = forward, then torch.autograd.grad of (o, final
+state) against random cotangents (so .grad never accumulates); timed eager (triton do_bench, median) and under CUDA
+graphs where capture works. Also: our backward core op alone (kda_chunk_bwd / gdn_chunk_bwd), and the peak of
+torch.cuda.max_memory_allocated above the inputs over one fwd+bwd. fla's refusals (GDN backward on Hopper with
+Triton 3.6) are recorded as they are raised.
+"""
+import json
+import os
+import sys
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+DEV = "cuda"
+RES = []
+SHAPES = [(1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 32, 32)]
+
+
+def rec(**kw):
+    RES.append(kw)
+    print(json.dumps(kw), flush=True)
+
+
+def load_ours():
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    path = ROOT / "build" / f"torch{major}{minor}-cxx11-cu{torch.version.cuda.replace('.', '')[:3]}-x86_64-linux"
+    spec = importlib.util.spec_from_file_location("kda_cuda_bench_bwd", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.BACKEND == "cuda" and mod.NATIVE
+    return mod
+
+
+def mk(B, T, H, HV, K, V, kda):
+    q = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
+    gshape = (B, T, HV, K) if kda else (B, T, HV)
+    g = F.logsigmoid(torch.randn(*gshape, device=DEV)) / 8
+    beta = torch.rand(B, T, HV, device=DEV)
+    return [x.requires_grad_(True) for x in (q, k, v, g.float(), beta)]
+
+
+def timed(fn, graphs=True):
+    fn()
+    torch.cuda.synchronize()
+    eager = do_bench(fn, warmup=10, rep=100, return_mode="median")
+    graph, why = None, None
+    if graphs:
+        try:
+            graph = do_bench_cudagraph(fn, rep=100, return_mode="median")
+        except Exception as e:  # noqa: BLE001
+            why = repr(e)[:200]
+            torch.cuda.synchronize()
+    return eager, graph, why
+
+
+def peak_above(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main():
+    torch.manual_seed(0)
+    OUT.mkdir(parents=True, exist_ok=True)
+    import triton
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+        from fla.ops.kda import chunk_kda as fla_kda
+        meta["fla"] = getattr(fla, "__version__", "?")
+    except Exception as e:  # noqa: BLE001
+        print("fla unavailable:", repr(e)[:300])
+        fla_gdn = fla_kda = None
+    kk = load_ours()
+    K = V = 128
+    # ours on every shape first, then fla (whose first calls include Triton compilation and autotuning)
+    for phase in ("ours", "fla_0.6.0"):
+        bench_phase(phase, kk, fla_kda, fla_gdn, K, V)
+    out = {"meta": meta, "results": RES}
+    (OUT / "cuda_chunk_bwd.json").write_text(json.dumps(out, indent=1))
+    try:
+        plot(out)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", repr(e)[:200])
+
+
+def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
+    for (B, T, H, HV) in SHAPES:
+        for fam in ("kda", "gdn"):
+            kda = fam == "kda"
+            xs = mk(B, T, H, HV, K, V, kda)
+            N = B
+            do = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
+            dht = torch.randn(N, HV, K, V, device=DEV)
+            scale = K ** -0.5
+            impls = []
+            if phase == "ours":
+                impls.append(("ours", kk.chunk_kda if kda else kk.chunk_gated_delta_rule))
+            elif fla_kda is not None:
+                impls.append(("fla_0.6.0", fla_kda if kda else fla_gdn))
+            for impl, fn in impls:
+                shape = dict(B=B, T=T, H=H, HV=HV, K=K, V=V)
+
+                def fwd():
+                    with torch.no_grad():
+                        return fn(*xs, scale=scale, output_final_state=True)
+
+                def fwdbwd():
+                    o, s = fn(*xs, scale=scale, output_final_state=True)
+                    return torch.autograd.grad((o, s), xs, (do, dht))
+
+                try:
+                    ef, gf, _ = timed(fwd)
+                    e, gr, why = timed(fwdbwd)
+                    mem = peak_above(fwdbwd)
+                    rec(name=f"{fam}_chunk_fwdbwd", impl=impl, **shape, fwd_eager_ms=round(ef, 4),
+                        fwd_graph_ms=None if gf is None else round(gf, 4), eager_ms=round(e, 4),
+                        graph_ms=None if gr is None else round(gr, 4), graph_error=why,
+                        peak_mb_above_inputs=round(mem, 1))
+                except Exception as ex:  # noqa: BLE001
+                    torch.cuda.synchronize()
+                    rec(name=f"{fam}_chunk_fwdbwd", impl=impl, **shape, error=repr(ex)[:400])
+                torch.cuda.empty_cache()
+            # our backward core op alone (what chunk_*'s autograd backward calls)
+            with torch.no_grad():
+                if phase != "ours":
+                    continue
+                q, k, v, g, beta = [x.detach() for x in xs]
+                op = getattr(kk.ops, f"{fam}_chunk_bwd")
+                e, gr, why = timed(lambda: op(q, k, v, g, beta, scale, None, None, do, dht))
+                mem = peak_above(lambda: op(q, k, v, g, beta, scale, None, None, do, dht))
+                rec(name=f"{fam}_chunk_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V, eager_ms=round(e, 4),
+                    graph_ms=None if gr is None else round(gr, 4), graph_error=why,
+                    peak_mb_above_inputs=round(mem, 1))
+                if (B, T) == (1, 8192):
+                    rop = getattr(kk.ops, f"{fam}_recurrent_bwd")
+                    e, _, _ = timed(lambda: rop(q, k, v, g, beta, scale, None, None, do, dht), graphs=False)
+                    rec(name=f"{fam}_recurrent_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V,
+                        eager_ms=round(e, 4))
+            del xs, do, dht
+            torch.cuda.empty_cache()
+
+
+def plot(out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in out["results"] if r["name"].endswith("fwdbwd")]
+    labels, ours, fla = [], [], []
+    for fam in ("kda", "gdn"):
+        for (B, T, H, HV) in SHAPES:
+            key = dict(B=B, T=T, H=H, HV=HV)
+            def get(impl):
+                for r in rows:
+                    if r["name"] == f"{fam}_chunk_fwdbwd" and r["impl"] == impl and all(r[a] == b for a, b in key.items()):
+                        return r.get("graph_ms") or r.get("eager_ms") or 0.0
+                return 0.0
+            labels.append(f"{fam.upper()}\nB{B} T{T}\nH{H} HV{HV}")
+            ours.append(get("ours"))
+            fla.append(get("fla_0.6.0"))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], ours, 0.4, label="ours (CUDA)")
+    ax.bar([x + 0.2 for x in xs], fla, 0.4, label="fla 0.6.0 (0 = refused / unavailable)")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("fwd+bwd ms (CUDA graph where captured, else eager)")
+    ax.set_title(f"chunked fwd+bwd, bf16, K=V=128, {out['meta']['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "cuda_chunk_bwd.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

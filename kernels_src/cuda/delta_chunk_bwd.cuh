@@ -1,0 +1,671 @@
+// Chunked (WY) backward of the delta rule on the GPU: kda_chunk_bwd (per-channel gate) and gdn_chunk_bwd
+// (per-head gate), docs/ops.md. Math: DESIGN.md section 3; it mirrors the hand-derived CPU backward
+// kernels_src/cpu/delta_chunk.h step for step (same quantities, same decay products, same direct dg), in fp32.
+//
+// Chunk of C = 64 tokens (the last one padded with q = k = v = beta = 0, a = e^g = 1), state S0 (K x V) at its
+// start, a_t = e^{g_t} per channel, Gam_t = prod_{i<=t} a_i, Eend_t = prod_{t<i<C} a_i, E[t,j] = prod_{j<i<=t} a_i:
+//   A_qk[t,j] = sum_c q_t k_j E[t,j] (j <= t),  A_kk[t,j] = sum_c k_t k_j E[t,j] (j < t),  L = Diag(beta) A_kk
+//   (I + L) [u | w] = [Diag(beta) V | Diag(beta) (K * Gam)],   U = u - w S0 (= v' of DESIGN.md)
+//   O = scale ((Q * Gam) S0 + A_qk U),   S1 = Gam_last * S0 + (K * Eend)^T U
+// Every decay factor is a running product of a_i <= 1: no exp of a difference, no e^{-G}, nothing overflows.
+//
+// Five kernels (all fp32 arithmetic, SIMT; no tensor cores yet):
+//   chunk_table  chunk offsets of the sequences (device side, so varlen needs no host sync)
+//   prep         per chunk, all chunks in parallel: A_qk, A_kk (exact per-channel products), the WY solve;
+//                writes A_qk, A_kk, u, w
+//   state_fwd    per (sequence, value head, 32 columns of V), sequential over chunks: stores each chunk's
+//                start state S0 and U = u - w S0
+//   state_bwd    per (sequence, value head, 32 columns of V), sequential backwards: dS at each chunk end,
+//                dU = A_qk^T dO + Kend dS1, dS0 = Gam_last dS1 + (Q Gam)^T dO - w^T dU; dh0
+//   grad         per chunk, all chunks in parallel: the V contractions (dQG, dKend, dw, dA_qk, dGam_last),
+//                the WY backward (back substitution with (I + L)^T), dv, dbeta, and the gate gradient formed
+//                directly (each dg_i sums only terms whose decay factor contains a_i: no cancelling +/- pairs)
+// K <= 128 and V <= 128 (the host routes larger heads to the recurrent backward).
+#pragma once
+
+#include <cstdint>
+
+#include "delta_common.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+namespace chunk_bwd {
+
+constexpr int CH = 64;     // chunk length
+constexpr int KP = 128;    // padded K
+constexpr int VP = 128;    // padded V
+constexpr int W = VP + KP; // columns of X = [u | w]
+constexpr int VS = 32;     // V columns per block of the sequential state kernels
+constexpr int NT = 256;    // threads per block (every kernel)
+constexpr int LDK = KP + 1;  // padded row stride of K-wide tiles in the state kernels
+constexpr int TS = 33;       // padded row stride of 32-wide tiles
+
+struct Params {
+  const void *q, *k, *v, *grad_o;
+  const float *g, *beta, *h0, *dht;
+  const int64_t* cu;
+  int in_dtype;
+  int B, T, H, HV, K, V, N;
+  float scale;
+  int* chunk_off;  // [N + 1]
+  // work buffers (fp32)
+  float *aqk, *akk;  // [chunks, HV, CH, CH]
+  float *w;          // [tokens, HV, K]
+  float *u, *U, *dU; // [tokens, HV, V]
+  float *hs, *dhs;   // [chunks, HV, K, V]: state at each chunk start, dL/dstate at each chunk end
+  // outputs
+  float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host)
+  float *dbeta;         // [tokens, HV]
+  void* dv;             // [tokens, HV, V], input dtype
+  float* dh0;           // [N, HV, K, V]
+};
+
+// C(m, n) (+)= alpha * sum_k A[m*ar + k*ac] * B[k*br + n*bc], for M, N multiples of 4. Each thread owns 4 rows
+// x 4 columns (columns n0, n0 + N/4, ...: a warp reads consecutive B columns). No barrier inside.
+template <bool ACC>
+__device__ __forceinline__ void bgemm(int M, int N, int Kd, float alpha, const float* __restrict__ A, int ar, int ac,
+                                      const float* __restrict__ Bm, int br, int bc, float* __restrict__ C, int ldc) {
+  const int nq = N >> 2;
+  const int tiles = (M >> 2) * nq;
+  for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
+    const int m0 = (tile / nq) * 4, n0 = tile % nq;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+#pragma unroll 4
+    for (int kk = 0; kk < Kd; ++kk) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = A[(m0 + i) * ar + kk * ac];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = Bm[kk * br + (n0 + j * nq) * bc];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float* c = C + (m0 + i) * ldc + n0 + j * nq;
+        *c = ACC ? fmaf(alpha, acc[i][j], *c) : alpha * acc[i][j];
+      }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// Which chunk a block works on: cid -> (sequence n, first token bos + c0, real length Cc). False: no chunk.
+struct ChunkPos {
+  int n, c, Cc;
+  int64_t row0;  // flattened token index of the chunk's first token
+};
+
+__device__ __forceinline__ bool chunk_pos(const Params& p, int cid, ChunkPos& cp) {
+  if (cid >= p.chunk_off[p.N]) return false;
+  int lo = 0, hi = p.N - 1;  // last n with chunk_off[n] <= cid
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.chunk_off[mid] <= cid) lo = mid; else hi = mid - 1;
+  }
+  // skip empty sequences that share the offset
+  while (lo + 1 <= p.N - 1 && p.chunk_off[lo + 1] <= cid) ++lo;
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, lo, p.T, bos, len);
+  cp.n = lo;
+  cp.c = cid - p.chunk_off[lo];
+  const int c0 = cp.c * CH;
+  cp.Cc = min(CH, len - c0);
+  cp.row0 = bos + c0;
+  return true;
+}
+
+template <bool PC>
+__device__ __forceinline__ float load_gate(const Params& p, int64_t row, int hv, int c) {
+  return PC ? p.g[(row * p.HV + hv) * p.K + c] : p.g[row * p.HV + hv];
+}
+
+__device__ __forceinline__ float load_qk(const Params& p, const void* x, const ChunkPos& cp, int hv, int t, int c) {
+  if (t >= cp.Cc || c >= p.K) return 0.f;
+  const int h = hv / (p.HV / p.H);
+  return load_in(x, ((cp.row0 + t) * p.H + h) * p.K + c, p.in_dtype);
+}
+
+template <bool PC>  // (a template so that each family's translation unit has its own instance)
+__global__ void chunk_table_kernel(Params p) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int acc = 0;
+  p.chunk_off[0] = 0;
+  for (int n = 0; n < p.N; ++n) {
+    int64_t bos;
+    int len;
+    seq_bounds(p.cu, n, p.T, bos, len);
+    acc += (len + CH - 1) / CH;
+    p.chunk_off[n + 1] = acc;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ prep
+// smem: q, k, a [CH][KP], aqk, akk [CH][CH], X [CH][W], beta [CH]
+constexpr size_t kPrepSmem = (3 * CH * KP + 2 * CH * CH + CH * W + CH) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT) prep_kernel(Params p) {
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  extern __shared__ float sm[];
+  float* q = sm;
+  float* k = q + CH * KP;
+  float* a = k + CH * KP;
+  float* aqk = a + CH * KP;
+  float* akk = aqk + CH * CH;
+  float* X = akk + CH * CH;
+  float* beta = X + CH * W;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    q[i] = load_qk(p, p.q, cp, hv, t, c);
+    k[i] = load_qk(p, p.k, cp, hv, t, c);
+    a[i] = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+  }
+  if (tid < CH) beta[tid] = tid < cp.Cc ? p.beta[(cp.row0 + tid) * p.HV + hv] : 0.f;
+  __syncthreads();
+  for (int i = tid; i < CH * VP; i += NT) {
+    const int t = i / VP, c = i % VP;
+    const float x = (t < cp.Cc && c < p.V) ? load_in(p.v, ((cp.row0 + t) * p.HV + hv) * p.V + c, p.in_dtype) : 0.f;
+    X[t * W + c] = beta[t] * x;
+  }
+  // Gam per channel (running product), X_w = beta k Gam
+  if (tid < KP) {
+    float gm = 1.f;
+    for (int t = 0; t < CH; ++t) {
+      gm *= a[t * KP + tid];
+      X[t * W + VP + tid] = beta[t] * k[t * KP + tid] * gm;
+    }
+  }
+  // A_qk, A_kk: warp per row t, lanes own channels lane + 32 i, E[t, j] by a running product down from t
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT / 32) {
+      float qt[4], kt[4], e[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        qt[i] = q[t * KP + lane + 32 * i];
+        kt[i] = k[t * KP + lane + 32 * i];
+        e[i] = 1.f;
+      }
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d = fmaf(qt[i], kt[i], d);
+      d = warp_sum(d);
+      if (lane == 0) {
+        aqk[t * CH + t] = d;
+        akk[t * CH + t] = 0.f;
+      }
+      for (int j = t + 1 + lane; j < CH; j += 32) {
+        aqk[t * CH + j] = 0.f;
+        akk[t * CH + j] = 0.f;
+      }
+      for (int j = t - 1; j >= 0; --j) {
+        float sqk = 0.f, skk = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          e[i] *= a[(j + 1) * KP + lane + 32 * i];
+          const float ke = k[j * KP + lane + 32 * i] * e[i];
+          sqk = fmaf(qt[i], ke, sqk);
+          skk = fmaf(kt[i], ke, skk);
+        }
+        sqk = warp_sum(sqk);
+        skk = warp_sum(skk);
+        if (lane == 0) {
+          aqk[t * CH + j] = sqk;
+          akk[t * CH + j] = skk;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // (I + L) X = RHS by forward substitution, one thread per column of X (W == NT)
+  {
+    const int col = tid;
+    for (int t = 1; t < CH; ++t) {
+      float x = X[t * W + col];
+      const float bt = beta[t];
+      for (int j = 0; j < t; ++j) x = fmaf(-bt * akk[t * CH + j], X[j * W + col], x);
+      X[t * W + col] = x;
+    }
+  }
+  __syncthreads();
+  const size_t abase = (static_cast<size_t>(cid) * p.HV + hv) * CH * CH;
+  for (int i = tid; i < CH * CH; i += NT) {
+    p.aqk[abase + i] = aqk[i];
+    p.akk[abase + i] = akk[i];
+  }
+  for (int i = tid; i < cp.Cc * VP; i += NT) {
+    const int t = i / VP, c = i % VP;
+    if (c < p.V) p.u[((cp.row0 + t) * p.HV + hv) * p.V + c] = X[t * W + c];
+  }
+  for (int i = tid; i < cp.Cc * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    if (c < p.K) p.w[((cp.row0 + t) * p.HV + hv) * p.K + c] = X[t * W + VP + c];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ state kernels
+// Kend = k Eend (descending running product) and, if QG, Q Gam (ascending); gl = Gam_last. The chunk's k, q and
+// a = e^g are first staged in shared memory by all threads (coalesced), then each channel is scanned by one
+// thread. Contains a barrier: every thread of the block must call it.
+template <bool PC, bool QG>
+__device__ __forceinline__ void decay_rows(const Params& p, const ChunkPos& cp, int hv, float* kend, float* qg,
+                                           float* abuf, float* gl) {
+  for (int i = threadIdx.x; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    abuf[t * LDK + c] = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    kend[t * LDK + c] = load_qk(p, p.k, cp, hv, t, c);
+    if (QG) qg[t * LDK + c] = load_qk(p, p.q, cp, hv, t, c);
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  if (c >= KP) return;
+  float gm = 1.f;
+  for (int t = 0; t < CH; ++t) {
+    gm *= abuf[t * LDK + c];
+    if (QG) qg[t * LDK + c] *= gm;
+  }
+  gl[c] = gm;
+  float e = 1.f;
+  for (int t = CH - 1; t >= 0; --t) {
+    kend[t * LDK + c] *= e;
+    e *= abuf[t * LDK + c];
+  }
+}
+
+// smem: h [KP][VS], w, kend, abuf [CH][LDK], U [CH][VS], gl [KP]
+constexpr size_t kStateFwdSmem = (KP * VS + 3 * CH * LDK + CH * VS + KP) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  extern __shared__ float sm[];
+  float* h = sm;
+  float* w = h + KP * VS;
+  float* kend = w + CH * LDK;
+  float* U = kend + CH * LDK;
+  float* gl = U + CH * VS;
+  float* abuf = gl + KP;
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V;
+  for (int i = tid; i < KP * VS; i += NT) {
+    const int c = i / VS, v = v0 + i % VS;
+    h[i] = (p.h0 != nullptr && c < K && v < V) ? p.h0[((static_cast<int64_t>(n) * p.HV + hv) * K + c) * V + v] : 0.f;
+  }
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  for (int c = 0; c < nc; ++c) {
+    const int cid = p.chunk_off[n] + c;
+    ChunkPos cp;
+    {
+      int64_t bos;
+      int len;
+      seq_bounds(p.cu, n, p.T, bos, len);
+      cp.n = n; cp.c = c; cp.Cc = min(CH, len - c * CH); cp.row0 = bos + c * CH;
+    }
+    __syncthreads();
+    const size_t sbase = (static_cast<size_t>(cid) * p.HV + hv) * K * V;
+    for (int i = tid; i < KP * VS; i += NT) {
+      const int cc = i / VS, v = v0 + i % VS;
+      if (cc < K && v < V) p.hs[sbase + static_cast<size_t>(cc) * V + v] = h[i];
+    }
+    for (int i = tid; i < CH * KP; i += NT) {
+      const int t = i / KP, cc = i % KP;
+      w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
+    }
+    for (int i = tid; i < CH * VS; i += NT) {
+      const int t = i / VS, v = v0 + i % VS;
+      U[i] = (t < cp.Cc && v < V) ? p.u[((cp.row0 + t) * p.HV + hv) * V + v] : 0.f;
+    }
+    decay_rows<PC, false>(p, cp, hv, kend, nullptr, abuf, gl);
+    __syncthreads();
+    bgemm<true>(CH, VS, KP, -1.f, w, LDK, 1, h, VS, 1, U, VS);  // U = u - w S0
+    __syncthreads();
+    for (int i = tid; i < CH * VS; i += NT) {
+      const int t = i / VS, v = v0 + i % VS;
+      if (t < cp.Cc && v < V) p.U[((cp.row0 + t) * p.HV + hv) * V + v] = U[i];
+    }
+    for (int i = tid; i < KP * VS; i += NT) h[i] *= gl[i / VS];
+    __syncthreads();
+    bgemm<true>(KP, VS, CH, 1.f, kend, 1, LDK, U, VS, 1, h, VS);  // S1 = gl S0 + Kend^T U
+  }
+}
+
+// smem: dS [KP][VS], aqk [CH][CH], dos [CH][VS], dU [CH][VS], kend, qg, w, abuf [CH][LDK], gl [KP]
+constexpr size_t kStateBwdSmem = (KP * VS + CH * CH + 2 * CH * VS + 4 * CH * LDK + KP) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  extern __shared__ float sm[];
+  float* dS = sm;
+  float* aqk = dS + KP * VS;
+  float* dos = aqk + CH * CH;
+  float* dU = dos + CH * VS;
+  float* kend = dU + CH * VS;
+  float* qg = kend + CH * LDK;
+  float* w = qg + CH * LDK;
+  float* gl = w + CH * LDK;
+  float* abuf = gl + KP;
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V;
+  const int64_t nbase = (static_cast<int64_t>(n) * p.HV + hv) * K * V;
+  for (int i = tid; i < KP * VS; i += NT) {
+    const int c = i / VS, v = v0 + i % VS;
+    dS[i] = (p.dht != nullptr && c < K && v < V) ? p.dht[nbase + static_cast<int64_t>(c) * V + v] : 0.f;
+  }
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  for (int c = nc - 1; c >= 0; --c) {
+    const int cid = p.chunk_off[n] + c;
+    ChunkPos cp;
+    {
+      int64_t bos;
+      int len;
+      seq_bounds(p.cu, n, p.T, bos, len);
+      cp.n = n; cp.c = c; cp.Cc = min(CH, len - c * CH); cp.row0 = bos + c * CH;
+    }
+    __syncthreads();
+    const size_t sbase = (static_cast<size_t>(cid) * p.HV + hv) * K * V;
+    for (int i = tid; i < KP * VS; i += NT) {
+      const int cc = i / VS, v = v0 + i % VS;
+      if (cc < K && v < V) p.dhs[sbase + static_cast<size_t>(cc) * V + v] = dS[i];
+    }
+    const size_t abase = (static_cast<size_t>(cid) * p.HV + hv) * CH * CH;
+    for (int i = tid; i < CH * CH; i += NT) aqk[i] = p.aqk[abase + i];
+    for (int i = tid; i < CH * VS; i += NT) {
+      const int t = i / VS, v = v0 + i % VS;
+      dos[i] = (t < cp.Cc && v < V)
+                   ? p.scale * load_in(p.grad_o, ((cp.row0 + t) * p.HV + hv) * V + v, p.in_dtype)
+                   : 0.f;
+    }
+    for (int i = tid; i < CH * KP; i += NT) {
+      const int t = i / KP, cc = i % KP;
+      w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
+    }
+    decay_rows<PC, true>(p, cp, hv, kend, qg, abuf, gl);
+    __syncthreads();
+    bgemm<false>(CH, VS, CH, 1.f, aqk, 1, CH, dos, VS, 1, dU, VS);   // dU = A_qk^T dO
+    bgemm<true>(CH, VS, KP, 1.f, kend, LDK, 1, dS, VS, 1, dU, VS);   //    + Kend dS1 (same thread mapping)
+    __syncthreads();
+    for (int i = tid; i < CH * VS; i += NT) {
+      const int t = i / VS, v = v0 + i % VS;
+      if (t < cp.Cc && v < V) p.dU[((cp.row0 + t) * p.HV + hv) * V + v] = dU[i];
+    }
+    for (int i = tid; i < KP * VS; i += NT) dS[i] *= gl[i / VS];
+    __syncthreads();
+    bgemm<true>(KP, VS, CH, 1.f, qg, 1, LDK, dos, VS, 1, dS, VS);  // dS0 = gl dS1 + (Q Gam)^T dO
+    bgemm<true>(KP, VS, CH, -1.f, w, 1, LDK, dU, VS, 1, dS, VS);   //       - w^T dU
+  }
+  __syncthreads();
+  for (int i = tid; i < KP * VS; i += NT) {
+    const int c = i / VS, v = v0 + i % VS;
+    if (c < K && v < V) p.dh0[nbase + static_cast<int64_t>(c) * V + v] = dS[i];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ grad
+// smem arena (floats): R0 [CH][KP] dQG -> dq, R1 [CH][KP] dKend -> dk, R2 [CH][W] dX -> dR (its u half later dg,
+// its w half later a), R3 [CH][CH] dA_qk, R4 [CH][CH] L -> dL -> dA_kk, R5 16K scratch (tiles; later q, k),
+// then beta, dbeta [CH], gl, dgl [KP].
+constexpr int kR5 = 16384;
+constexpr size_t kGradSmem = (2 * CH * KP + CH * W + 2 * CH * CH + kR5 + 2 * CH + 2 * KP) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  extern __shared__ float sm[];
+  float* R0 = sm;
+  float* R1 = R0 + CH * KP;
+  float* R2 = R1 + CH * KP;
+  float* R3 = R2 + CH * W;
+  float* R4 = R3 + CH * CH;
+  float* R5 = R4 + CH * CH;
+  float* beta = R5 + kR5;
+  float* dbeta = beta + CH;
+  float* gl = dbeta + CH;
+  float* dgl = gl + KP;
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const size_t sbase = (static_cast<size_t>(cid) * HV + hv) * K * V;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+
+  // ---- stage 0: zero accumulators, dX_u = dU, beta
+  for (int i = tid; i < CH * KP; i += NT) {
+    R0[i] = 0.f;
+    R1[i] = 0.f;
+  }
+  for (int i = tid; i < CH * W; i += NT) {
+    const int t = i / W, c = i % W;
+    R2[i] = (c < VP && t < cp.Cc && c < V) ? p.dU[tok(t) * V + c] : 0.f;
+  }
+  for (int i = tid; i < CH * CH; i += NT) R3[i] = 0.f;
+  if (tid < KP) dgl[tid] = 0.f;
+  if (tid < CH) beta[tid] = tid < cp.Cc ? p.beta[tok(tid)] : 0.f;
+
+  // ---- stage A: contractions over V, 32 columns at a time
+  {
+    float* S0t = R5;             // [KP][TS]
+    float* dS1t = S0t + KP * TS; // [KP][TS]
+    float* dot = dS1t + KP * TS; // [CH][TS]
+    float* Ut = dot + CH * TS;   // [CH][TS]
+    for (int v0 = 0; v0 < V; v0 += 32) {
+      __syncthreads();
+      for (int i = tid; i < KP * 32; i += NT) {
+        const int c = i >> 5, v = i & 31;
+        const bool ok = c < K && v0 + v < V;
+        S0t[c * TS + v] = ok ? p.hs[sbase + static_cast<size_t>(c) * V + v0 + v] : 0.f;
+        dS1t[c * TS + v] = ok ? p.dhs[sbase + static_cast<size_t>(c) * V + v0 + v] : 0.f;
+      }
+      for (int i = tid; i < CH * 32; i += NT) {
+        const int t = i >> 5, v = i & 31;
+        const bool ok = t < cp.Cc && v0 + v < V;
+        dot[t * TS + v] = ok ? p.scale * load_in(p.grad_o, tok(t) * V + v0 + v, p.in_dtype) : 0.f;
+        Ut[t * TS + v] = ok ? p.U[tok(t) * V + v0 + v] : 0.f;
+      }
+      __syncthreads();
+      bgemm<true>(CH, KP, 32, 1.f, dot, TS, 1, S0t, 1, TS, R0, KP);              // dQG += dO S0^T
+      bgemm<true>(CH, KP, 32, 1.f, Ut, TS, 1, dS1t, 1, TS, R1, KP);              // dKend += U dS1^T
+      bgemm<true>(CH, KP, 32, -1.f, R2 + v0, W, 1, S0t, 1, TS, R2 + VP, W);      // dw -= dU S0^T
+      bgemm<true>(CH, CH, 32, 1.f, dot, TS, 1, Ut, 1, TS, R3, CH);               // dA_qk += dO U^T
+      if (tid < KP) {
+        float s = 0.f;
+        for (int v = 0; v < 32; ++v) s = fmaf(dS1t[tid * TS + v], S0t[tid * TS + v], s);
+        dgl[tid] += s;
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) {
+    const int t = i / CH, j = i % CH;
+    if (j > t) R3[i] = 0.f;
+    R4[i] = beta[t] * p.akk[abase + i];  // L
+  }
+  __syncthreads();
+  // ---- stage B: dR = (I + L)^{-T} dX (back substitution, thread per column), dL = -dR X^T (strictly lower)
+  {
+    const int col = tid;
+    for (int t = CH - 2; t >= 0; --t) {
+      float x = R2[t * W + col];
+      for (int s = t + 1; s < CH; ++s) x = fmaf(-R4[s * CH + t], R2[s * W + col], x);
+      R2[t * W + col] = x;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) R4[i] = 0.f;
+  {
+    float* Xt = R5;  // [CH][TS]
+    for (int x0 = 0; x0 < W; x0 += 32) {
+      __syncthreads();
+      for (int i = tid; i < CH * 32; i += NT) {
+        const int t = i >> 5, c = x0 + (i & 31);
+        float x = 0.f;
+        if (t < cp.Cc) {
+          if (c < VP) {
+            if (c < V) x = p.u[tok(t) * V + c];
+          } else if (c - VP < K) {
+            x = p.w[tok(t) * K + c - VP];
+          }
+        }
+        Xt[t * TS + (i & 31)] = x;
+      }
+      __syncthreads();
+      bgemm<true>(CH, CH, 32, -1.f, R2 + x0, W, 1, Xt, 1, TS, R4, CH);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) {
+    const int t = i / CH, j = i % CH;
+    if (j >= t) R4[i] = 0.f;
+  }
+  // q, k into R5 (free since the X tiles are done)
+  float* qs = R5;
+  float* ks = R5 + CH * KP;
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    qs[i] = load_qk(p, p.q, cp, hv, t, c);
+    ks[i] = load_qk(p, p.k, cp, hv, t, c);
+  }
+  // ---- stage C1 pass 1 (thread per channel, ascending): Gam; dq = dQG Gam; dRg = dR_w Gam (in place)
+  if (tid < KP) {
+    const int c = tid;
+    float gm = 1.f;
+#pragma unroll 16
+    for (int t = 0; t < CH; ++t) {
+      const float at = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+      gm *= at;
+      R0[t * KP + c] *= gm;
+      R2[t * W + VP + c] *= gm;
+    }
+    gl[c] = gm;
+  }
+  __syncthreads();
+  // dv = beta dR_u; dbeta = dR_u . v + dRg . k + dL . A_kk (warp per row)
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT / 32) {
+      float s = 0.f;
+      if (t < cp.Cc) {
+        for (int c = lane; c < V; c += 32) {
+          const float dr = R2[t * W + c];
+          s = fmaf(dr, load_in(p.v, tok(t) * V + c, p.in_dtype), s);
+          store_in(p.dv, tok(t) * V + c, p.in_dtype, beta[t] * dr);
+        }
+        for (int c = lane; c < K; c += 32) s = fmaf(R2[t * W + VP + c], ks[t * KP + c], s);
+        for (int j = lane; j < t; j += 32) s = fmaf(R4[t * CH + j], p.akk[abase + t * CH + j], s);
+      }
+      s = warp_sum(s);
+      if (lane == 0) dbeta[t] = s;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) R4[i] *= beta[i / CH];  // dA_kk
+  // ---- stage C1 passes 2, 3 (thread per channel): dg's direct terms into R2's u half, dk = dKend Eend + beta dRg
+  if (tid < KP) {
+    const int c = tid;
+    float e = 1.f, run = 0.f;
+#pragma unroll 16
+    for (int t = CH - 1; t >= 0; --t) {
+      const float qt = qs[t * KP + c], kt = ks[t * KP + c];
+      run += qt * R0[t * KP + c] + kt * beta[t] * R2[t * W + VP + c];  // (Q Gam) dQG + (K Gam) beta dR_w
+      R2[t * W + c] = run;
+      R1[t * KP + c] *= e;                                              // Kend-part of dk
+      const float at = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+      e *= at;
+    }
+    float pre = dgl[c] * gl[c];
+    for (int t = 0; t < CH; ++t) {
+      const float kt = ks[t * KP + c];
+      R2[t * W + c] += pre;
+      pre = fmaf(kt, R1[t * KP + c], pre);
+      R1[t * KP + c] = fmaf(beta[t], R2[t * W + VP + c], R1[t * KP + c]);
+    }
+  }
+  __syncthreads();
+  // a into R2's w half
+  float* dg = R2;  // stride W
+  float* as = R2 + VP;  // stride W
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    as[t * W + c] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+  }
+  __syncthreads();
+  // ---- stage C2: intra-chunk A_qk, A_kk terms with exact per-channel decays. Thread (channel c, half) takes
+  // rows t = half + 1, half + 3, ...; for j = t-1 .. 0 (E[t,j] running product):
+  //   dq_t += dAqk[t,j] k_j E,  dk_t += dAkk[t,j] k_j E,  dk_j += (dAqk[t,j] q_t + dAkk[t,j] k_t) E,
+  //   T_j = (dAqk[t,j] q_t + dAkk[t,j] k_t) k_j E,  dg_i += sum_{j < i} T_j for i = 1 .. t.
+  {
+    const int c = tid % KP, half = tid / KP;
+    for (int t = half + 1; t < CH; t += 2) {
+      const float qt = qs[t * KP + c], kt = ks[t * KP + c];
+      float Tj[CH];
+      float e = 1.f, dqa = 0.f, dka = 0.f;
+#pragma unroll
+      for (int j = CH - 2; j >= 0; --j) {
+        if (j < t) {
+          e *= as[(j + 1) * W + c];
+          const float xq = R3[t * CH + j], xk = R4[t * CH + j];
+          const float kj = ks[j * KP + c];
+          const float ke = kj * e;
+          dqa = fmaf(xq, ke, dqa);
+          dka = fmaf(xk, ke, dka);
+          const float m = (xq * qt + xk * kt) * e;
+          atomicAdd(&R1[j * KP + c], m);
+          Tj[j] = m * kj;
+        }
+      }
+      R0[t * KP + c] += dqa;
+      atomicAdd(&R1[t * KP + c], dka);
+      float run = 0.f;
+#pragma unroll
+      for (int i = 1; i < CH; ++i) {
+        if (i <= t) {
+          run += Tj[i - 1];
+          atomicAdd(&dg[i * W + c], run);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // gate-free diagonal of A_qk, then write out
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP;
+    const float dd = R3[t * CH + t];
+    R0[i] = fmaf(dd, ks[i], R0[i]);
+    R1[i] = fmaf(dd, qs[i], R1[i]);
+  }
+  __syncthreads();
+  for (int i = tid; i < cp.Cc * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    if (c < K) {
+      const int64_t o = tok(t) * K + c;
+      p.dq[o] = R0[i];
+      p.dk[o] = R1[i];
+      p.dg[o] = dg[t * W + c];
+    }
+  }
+  if (tid < cp.Cc) p.dbeta[tok(tid)] = dbeta[tid];
+}
+
+}  // namespace chunk_bwd
+}  // namespace cuda
+}  // namespace kda_kernels

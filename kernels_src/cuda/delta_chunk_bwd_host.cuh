@@ -1,0 +1,112 @@
+// Host side of the chunked backward (kda_chunk_bwd, gdn_chunk_bwd): checks, work buffers, the five launches of
+// delta_chunk_bwd.cuh. Heads wider than 128 (K or V) run the recurrent backward (same function, exact).
+#pragma once
+
+#include "delta_chunk_bwd.cuh"
+#include "delta_host.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+
+template <bool PC>
+DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, double scale,
+                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+  namespace cb = chunk_bwd;
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  if (s.K > cb::KP || s.V > cb::VP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1)
+    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
+              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
+  const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
+  // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
+  const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
+  auto f32 = q.options().dtype(at::kFloat);
+  const bool varlen = cu.has_value();
+  auto out_buf = [&](std::initializer_list<int64_t> shape) {
+    return varlen ? at::zeros(shape, f32) : at::empty(shape, f32);  // varlen: tokens outside every sequence stay 0
+  };
+  at::Tensor dq = out_buf({tokens, s.HV, s.K});
+  at::Tensor dk = out_buf({tokens, s.HV, s.K});
+  at::Tensor dg = out_buf({tokens, s.HV, s.K});
+  at::Tensor dbeta = out_buf({s.B, s.T, s.HV});
+  at::Tensor dv = varlen ? at::zeros_like(v) : at::empty_like(v);
+  at::Tensor dh0 = at::empty({s.N, s.HV, s.K, s.V}, f32);
+  const int64_t nc1 = std::max<int64_t>(nc_max, 1);
+  at::Tensor aqk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
+  at::Tensor akk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
+  at::Tensor w = at::empty({std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
+  at::Tensor u = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
+  at::Tensor U = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
+  at::Tensor dU = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
+  at::Tensor hs = at::empty({nc1 * s.HV * s.K * s.V}, f32);
+  at::Tensor dhs = at::empty({nc1 * s.HV * s.K * s.V}, f32);
+  at::Tensor off = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+
+  cb::Params p{};
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.grad_o = grad_o.data_ptr();
+  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
+  if (initial_state.has_value()) {
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
+                "] initial_state must be contiguous float32");
+    p.h0 = initial_state->data_ptr<float>();
+  }
+  at::Tensor dht;
+  if (grad_final_state.has_value() && grad_final_state->defined()) {
+    dht = grad_final_state->to(at::kFloat).contiguous();
+    p.dht = dht.data_ptr<float>();
+  }
+  p.cu = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
+  p.in_dtype = in_dtype_of(q, op);
+  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
+  p.scale = static_cast<float>(scale);
+  p.chunk_off = off.data_ptr<int>();
+  p.aqk = aqk.data_ptr<float>(); p.akk = akk.data_ptr<float>(); p.w = w.data_ptr<float>();
+  p.u = u.data_ptr<float>(); p.U = U.data_ptr<float>(); p.dU = dU.data_ptr<float>();
+  p.hs = hs.data_ptr<float>(); p.dhs = dhs.data_ptr<float>();
+  p.dq = dq.data_ptr<float>(); p.dk = dk.data_ptr<float>(); p.dg = dg.data_ptr<float>();
+  p.dbeta = dbeta.data_ptr<float>(); p.dv = dv.data_ptr(); p.dh0 = dh0.data_ptr<float>();
+
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  static bool attrs_set = false;  // one set per template instantiation (per family)
+  if (!attrs_set) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kPrepSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_fwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kStateFwdSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_bwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kStateBwdSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kGradSmem)));
+    attrs_set = true;
+  }
+  cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int nsl = (s.V + cb::VS - 1) / cb::VS;
+  if (nc_max > 0 && s.HV > 0) {
+    const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
+    cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (s.N > 0 && s.HV > 0) {
+    const dim3 gseq(s.N, s.HV, nsl);
+    cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (nc_max > 0 && s.HV > 0) {
+    const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
+    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  at::Tensor dq_out = sum_gva(dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+  at::Tensor dk_out = sum_gva(dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dg_out = PC ? dg.view({s.B, s.T, s.HV, s.K}) : dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
+  return {dq_out, dk_out, dv, dg_out.contiguous(), dbeta, dh0};
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels

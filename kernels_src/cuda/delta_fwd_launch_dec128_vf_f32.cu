@@ -1,0 +1,6 @@
+// Decode kernels for K = V = 128 (delta_decode_kernel<..., FIX=128, ...>, delta_recurrent_fwd.cuh), f32 state
+// storage, V-first layout (see delta_fwd_launch.cuh).
+#define KDA_DEFINE_LAUNCH_DEC_FIXED
+#include "delta_fwd_launch.cuh"
+
+KDA_INSTANTIATE_LAUNCH_DEC_FIXED(true, float)

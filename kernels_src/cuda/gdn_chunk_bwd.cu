@@ -1,0 +1,11 @@
+// gdn_chunk_bwd (per-head gate g [B, T, HV]): chunked (WY) backward, docs/ops.md.
+// Kernels: delta_chunk_bwd.cuh; host side: delta_chunk_bwd_host.cuh.
+#include "delta_chunk_bwd_host.cuh"
+
+DeltaBwdResult gdn_chunk_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                              const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state,
+                              const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& grad_o,
+                              const std::optional<at::Tensor>& grad_final_state) {
+  return kda_kernels::cuda::chunk_bwd_run<false>("gdn_chunk_bwd", q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                                grad_o, grad_final_state);
+}

@@ -1,0 +1,101 @@
+"""kda_chunk_bwd / gdn_chunk_bwd (kernels_src/cuda/delta_chunk_bwd.cuh) against autograd through the float64
+reference (tests/ref_delta.py) at DESIGN.md section 6 tolerances.
+
+Needs a CUDA GPU: without one the module is skipped with the reason. Cases: random and correlated keys, gates
+logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20, T in {1, 63, 65, 200, 1000} (chunk boundaries, a partial
+last chunk, many chunks), varlen with empty sequences, GVA, initial state and grad of the final state (and
+neither), odd head dims, fp32 / bf16 / fp16 inputs.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False): the CUDA chunked-backward tests need an "
+                "NVIDIA GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ref_delta import assert_close, ref_delta_rule  # noqa: E402
+from test_cuda_backend import DEV, OPS, make_inputs  # noqa: E402  (loads / builds the CUDA variant)
+
+torch.set_num_threads(1)
+TOL_DX = {torch.float32: 1e-5, torch.bfloat16: 0.008, torch.float16: 0.008}
+TOL_DG = {torch.float32: 1e-5, torch.bfloat16: 0.02, torch.float16: 0.02}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+CASES = {
+    "random_T65": dict(B=2, T=65, H=2, HV=2),
+    "T1": dict(B=2, T=1, H=2, HV=2),
+    "T63": dict(B=1, T=63, H=2, HV=2),
+    "T200_correlated": dict(B=1, T=200, H=1, HV=2, keys="correlated"),
+    "T1000": dict(B=1, T=1000, H=1, HV=1),
+    "gate_div_0.1": dict(B=1, T=130, H=1, HV=2, gate_div=0.1),
+    "gate_div_10": dict(B=1, T=130, H=1, HV=2, gate_div=10.0),
+    "extreme_gates": dict(B=1, T=200, H=1, HV=2, extreme=True, gate_div=0.1),
+    "extreme_gates_mild": dict(B=1, T=150, H=1, HV=2, extreme=True),
+    "gva_4x": dict(B=1, T=100, H=1, HV=4),
+    "varlen_empty": dict(H=2, HV=2, cu=[0, 0, 17, 17, 90, 91, 200]),
+    "odd_dims": dict(B=2, T=77, H=1, HV=2, K=40, V=30),
+    "k192_recurrent_route": dict(B=1, T=40, H=1, HV=1, K=192, V=64),
+}
+
+
+def _run(family, case, dtype, with_state=True):
+    spec = dict(CASES[case])
+    cu_list = spec.get("cu")
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    gen = torch.Generator().manual_seed(9)
+    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV) if with_state else None
+    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV) if with_state else None
+    do = torch.randn(*v.shape, generator=gen).to(DEV).to(dtype)
+    scale = K ** -0.5
+    out = getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, scale, h0, cu, do, dht)
+    torch.cuda.synchronize()
+    xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0r = (h0.cpu().double() if with_state else torch.zeros(N, HV, K, V, dtype=torch.float64)).requires_grad_(True)
+    ro, rs = ref_delta_rule(*xs, scale=scale, initial_state=h0r, cu_seqlens=None if cu is None else cu.cpu())
+    loss = (ro * do.cpu().double()).sum()
+    if with_state:
+        loss = loss + (rs * dht.cpu().double()).sum()
+    grads = torch.autograd.grad(loss, xs + [h0r])
+    tols = (TOL_DX, TOL_DX, TOL_DX, TOL_DG, TOL_DG, TOL_DX)
+    for name, r, o, tol in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, out, tols):
+        assert_close(f"{family} {case} {name}", r, o.cpu(), tol[dtype])
+    dq, dk, dv, dg, dbeta, dh0 = out
+    assert dq.dtype == dtype and dk.dtype == dtype and dv.dtype == dtype
+    assert dg.dtype == torch.float32 and dg.shape == g.shape and dbeta.shape == beta.shape
+    assert dh0.shape == (N, HV, K, V)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_bwd(family, case, dtype):
+    if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "varlen_empty", "gva_4x"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    if case == "T1000" and dtype != "fp32":
+        pytest.skip("the long case runs once per family (fp32, the tightest tolerance)")
+    _run(family, case, DTYPES[dtype])
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_bwd_without_state(family):
+    _run(family, "random_T65", torch.float32, with_state=False)
+    _run(family, "varlen_empty", torch.bfloat16, with_state=False)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_bwd_matches_recurrent_bwd(family):
+    # the two CUDA backward kernels compute the same function by different algorithms
+    q, k, v, g, beta = make_inputs(family, B=1, T=300, H=2, HV=4, dtype=torch.float32, seed=5, extreme=True)
+    do = torch.randn_like(v)
+    dht = torch.randn(1, 4, 128, 128, device=DEV)
+    a = getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, dht)
+    b = getattr(OPS, f"{family}_recurrent_bwd")(q, k, v, g, beta, 0.1, None, None, do, dht)
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
