@@ -164,12 +164,13 @@ struct PrepSmem {
                                          : sizeof(float) * 96 * LD;
   static constexpr size_t aq = pr + pr_bytes;
   static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
-  static constexpr size_t bs = ak + sizeof(float) * kChunk * LDA;
+  static constexpr size_t gs = ak + sizeof(float) * kChunk * LDA;  // gates of the chunk [64][LD]
+  static constexpr size_t bs = gs + sizeof(float) * kChunk * LD;
   static constexpr size_t bytes = bs + sizeof(float) * kChunk;
 };
 
 template <bool PC, int KP, bool PRECISE>
-__global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const ChunkFwdParams p) {
+__global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const ChunkFwdParams p) {
   using SM = PrepSmem<KP>;
   constexpr int LD = SM::LD, LDA = SM::LDA;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -179,6 +180,7 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   float* Rs = reinterpret_cast<float*>(smem + SM::pr);
   float* Aq = reinterpret_cast<float*>(smem + SM::aq);
   float* Ak = reinterpret_cast<float*>(smem + SM::ak);
+  float* gs = reinterpret_cast<float*>(smem + SM::gs);
   float* bs = reinterpret_cast<float*>(smem + SM::bs);
 
   const int cid = blockIdx.x, hv = blockIdx.y;
@@ -191,17 +193,14 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
   using WL = WsLayout<KP>;
 
-  auto gate = [&](int t, int c) -> float {
-    if (t >= L || c >= K) return 0.f;
-    const int64_t row = (tok0 + t) * HV + hv;
-    return PC ? p.g[row * K + c] : p.g[row];
-  };
+  auto gate = [&](int t, int c) -> float { return gs[t * LD + c]; };
   auto kglob = [&](int t, int c) -> float {
     if (t >= L || c >= K) return 0.f;
     return load_in(p.k, ((tok0 + t) * p.H + h) * K + c, dt);
   };
 
   // ---- P0: q, k (zero padded), beta; clear A
+#pragma unroll 4
   for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
     const int t = i / KP, c = i - (i / KP) * KP;
     float qv = 0.f, kv = 0.f;
@@ -212,6 +211,12 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
     }
     Qs[t * LD + c] = qv;
     Ks[t * LD + c] = kv;
+    float gv = 0.f;
+    if (t < L && c < K) {
+      const int64_t row = (tok0 + t) * HV + hv;
+      gv = PC ? p.g[row * K + c] : p.g[row];
+    }
+    gs[t * LD + c] = gv;
   }
   for (int i = tid; i < kChunk * LDA; i += kPrepThreads) {
     Aq[i] = 0.f;
@@ -221,7 +226,9 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   __syncthreads();
 
   // ---- P0a: per channel (double prefix sums): P = prefix within the sub-chunk, qg = scale q e^G,
-  //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}
+  //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}. Threads [0, KP) run the prefix sums,
+  //      threads [KP, 2 KP) the suffix sums (kPrepThreads >= 2 KP).
+  static_assert(kPrepThreads >= 2 * KP, "P0a needs two threads per channel");
   if (tid < KP) {
     const int c = tid;
     double G = 0.0, P = 0.0;
@@ -230,10 +237,12 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
       const float gt = gate(t, c);
       G += gt;
       P += gt;
-      Pd[t * KP + c] = P;
+      Pd[t * KP + c] = PC ? P : G;  // GDN: the chunk prefix G_t (column 0 is used)
       ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * __expf(static_cast<float>(G));
     }
     ws[WL::decay + c] = __expf(static_cast<float>(G));
+  } else if (tid < 2 * KP) {
+    const int c = tid - KP;
     double S = 0.0;
     for (int t = kChunk - 1; t >= 0; --t) {
       ws[WL::kg + frag_index<kChunk>(c, t)] = bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S));
@@ -242,6 +251,7 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   }
   __syncthreads();
 
+  if constexpr (PC) {
   // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (warp per pair)
   for (int pr = warp; pr < 4 * 136; pr += kPrepThreads / 32) {
     const int a = pr / 136;
@@ -268,39 +278,60 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   }
   __syncthreads();
 
-  // ---- P0b: left factors in place (rows of sub-chunks 1..3): x_t e^{G_t - G_r}, r = last token before t's
-  //      sub-chunk; then right factors R_a[j] = k_j e^{G_r - G_j} (j < 16a) over P's storage.
-  if (tid < KP) {
-    const int c = tid;
-    for (int t = kSub; t < kChunk; ++t) {
-      const float f = __expf(static_cast<float>(Pd[t * KP + c]));
-      Qs[t * LD + c] *= f;
-      Ks[t * LD + c] *= f;
-    }
-  }
-  __syncthreads();
+  // ---- P0b: per channel: right factors R_a[j] = k_j e^{G_r - G_j} (j < 16a, r = 16a - 1; suffix sums) over
+  //      P's storage, then the left factors in place (rows of sub-chunks 1..3): x_t e^{G_t - G_r}, r = the last
+  //      token before t's sub-chunk (prefix sums within the sub-chunk). Thread c computes R's column c from the
+  //      raw k, then scales k's column c; thread KP + c scales q's column c.
   if (tid < KP) {
     const int c = tid;
     for (int a = 1; a < 4; ++a) {
       float* R = Rs + 8 * a * (a - 1) * LD;
       double S = 0.0;
       for (int j = a * kSub - 1; j >= 0; --j) {
-        R[j * LD + c] = kglob(j, c) * __expf(static_cast<float>(S));
+        R[j * LD + c] = Ks[j * LD + c] * __expf(static_cast<float>(S));
         S += gate(j, c);
       }
     }
+    double P = 0.0;
+    for (int t = kSub; t < kChunk; ++t) {
+      if ((t & (kSub - 1)) == 0) P = 0.0;
+      P += gate(t, c);
+      Ks[t * LD + c] *= __expf(static_cast<float>(P));
+    }
+  } else if (tid < 2 * KP) {
+    const int c = tid - KP;
+    double P = 0.0;
+    for (int t = kSub; t < kChunk; ++t) {
+      if ((t & (kSub - 1)) == 0) P = 0.0;
+      P += gate(t, c);
+      Qs[t * LD + c] *= __expf(static_cast<float>(P));
+    }
   }
   __syncthreads();
+  }  // PC
 
-  // ---- P2: cross-sub-chunk blocks on tensor cores: rows of sub-chunk a (q and k) x R_a^T
+  // ---- P2: KDA: cross-sub-chunk blocks on tensor cores, rows of sub-chunk a (q and k) x R_a^T.
+  //      GDN: every block on or below the diagonal of Q K^T and K K^T (the scalar decay is applied in P3).
   {
     const int gq = lane >> 2, t4 = lane & 3;
-    for (int tile = warp; tile < 24; tile += kPrepThreads / 32) {
-      const int a = tile < 4 ? 1 : (tile < 12 ? 2 : 3);
-      const int local = tile - (a == 1 ? 0 : (a == 2 ? 4 : 12));
-      const int mat = local / (2 * a), nt = local - mat * 2 * a;
+    constexpr int kTiles = PC ? 24 : 40;
+    for (int tile = warp; tile < kTiles; tile += kPrepThreads / 32) {
+      int a, mat, nt;
+      const float* Bs;
+      if constexpr (PC) {
+        a = tile < 4 ? 1 : (tile < 12 ? 2 : 3);
+        const int local = tile - (a == 1 ? 0 : (a == 2 ? 4 : 12));
+        mat = local / (2 * a);
+        nt = local - mat * 2 * a;
+        Bs = Rs + (8 * a * (a - 1) + nt * 8) * LD;
+      } else {
+        a = tile < 4 ? 0 : (tile < 12 ? 1 : (tile < 24 ? 2 : 3));  // 2 (2a + 2) tiles for row block a
+        const int local = tile - (a == 0 ? 0 : (a == 1 ? 4 : (a == 2 ? 12 : 24)));
+        mat = local / (2 * a + 2);
+        nt = local - mat * (2 * a + 2);
+        Bs = Ks + nt * 8 * LD;
+      }
       const float* As = (mat ? Ks : Qs) + a * kSub * LD;
-      const float* Bs = Rs + (8 * a * (a - 1) + nt * 8) * LD;
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 4
       for (int ks = 0; ks < KP / 8; ++ks) {
@@ -321,6 +352,11 @@ __global__ void __launch_bounds__(kPrepThreads) delta_chunk_prep_kernel(const Ch
   // ---- P3: scale A_qk Diag(beta) -> workspace; A_kk Diag(beta) in place
   for (int i = tid; i < kChunk * kChunk; i += kPrepThreads) {
     const int t = i >> 6, j = i & 63;
+    if constexpr (!PC) {  // scalar decay e^{G_t - G_j} (double prefix difference), causal mask
+      const float f = j <= t ? __expf(static_cast<float>(Pd[t * KP] - Pd[j * KP])) : 0.f;
+      Aq[t * LDA + j] *= f;
+      Ak[t * LDA + j] *= (j < t ? f : 0.f);
+    }
     ws[WL::aqk + frag_index<kChunk>(t, j)] = p.scale * Aq[t * LDA + j] * bs[j];
     Ak[t * LDA + j] *= bs[j];
   }
@@ -408,13 +444,44 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
   store_h();
   __syncthreads();
 
-  for (int ci = 0; ci < nch; ++ci) {
-    const float* ws = p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride;
-    const int L = min(kChunk, len - ci * kChunk);
+  // A-operand fragments of w (and u0) are loaded one chunk ahead; qg / aqk at the top of a chunk, kg^T after U.
+  auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
+  float4 wa[KP / 8];
+  float u0r[NT][4];
+  auto load_w = [&](int ci) {
+    const float* ws = chunk_ws(ci);
     const float4* wf = reinterpret_cast<const float4*>(ws + WL::w) + wi * (KP / 8) * 32 + lane;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ++ks) wa[ks] = __ldg(wf + ks * 32);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int cl = nt * 8 + 2 * t4 + (e & 1);
+        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL::u + r * V + v0 + cl) : 0.f;
+      }
+  };
+  if (nch > 0) load_w(0);
+
+  for (int ci = 0; ci < nch; ++ci) {
+    const float* ws = chunk_ws(ci);
+    const int L = min(kChunk, len - ci * kChunk);
     const float4* qf = reinterpret_cast<const float4*>(ws + WL::qg) + wi * (KP / 8) * 32 + lane;
     const float4* af = reinterpret_cast<const float4*>(ws + WL::aqk) + wi * (kChunk / 8) * 32 + lane;
     const float4* kf = reinterpret_cast<const float4*>(ws + WL::kg) + wi * MT * (kChunk / 8) * 32 + lane;
+    float4 qa[KP / 8], aa[kChunk / 8];
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ++ks) qa[ks] = __ldg(qf + ks * 32);
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 8; ++ks)
+      aa[ks] = ks < 2 * wi + 2 ? __ldg(af + ks * 32) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float dec[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      dec[mt][0] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq);
+      dec[mt][1] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq + 8);
+    }
 
     // U = u0 - w h
     float acc[NT][4];
@@ -422,20 +489,21 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KP / 8; ++ks) {
-      const float4 a = __ldg(wf + ks * 32);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        mma8<PRECISE>(acc[nt], a, hs[(ks * 8 + t4) * LDH + nt * 8 + gq], hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+        mma8<PRECISE>(acc[nt], wa[ks], hs[(ks * 8 + t4) * LDH + nt * 8 + gq],
+                      hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = wi * 16 + gq + (e >> 1) * 8;
-        const int cl = nt * 8 + 2 * t4 + (e & 1);
-        const float u0 = (v0 + cl < V) ? __ldg(ws + WL::u + r * V + v0 + cl) : 0.f;
-        Us[r * LDH + cl] = u0 - acc[nt][e];
+        Us[r * LDH + nt * 8 + 2 * t4 + (e & 1)] = u0r[nt][e] - acc[nt][e];
       }
+    float4 ka[MT * (kChunk / 8)];
+#pragma unroll
+    for (int i = 0; i < MT * (kChunk / 8); ++i) ka[i] = __ldg(kf + i * 32);
     __syncthreads();
 
     // o = qg h + aqk U
@@ -443,17 +511,21 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KP / 8; ++ks) {
-      const float4 a = __ldg(qf + ks * 32);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        mma8<PRECISE>(acc[nt], a, hs[(ks * 8 + t4) * LDH + nt * 8 + gq], hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+        mma8<PRECISE>(acc[nt], qa[ks], hs[(ks * 8 + t4) * LDH + nt * 8 + gq],
+                      hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
     }
-    for (int ks = 0; ks < 2 * wi + 2; ++ks) {
-      const float4 a = __ldg(af + ks * 32);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mma8<PRECISE>(acc[nt], a, Us[(ks * 8 + t4) * LDH + nt * 8 + gq], Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+    for (int ks = 0; ks < kChunk / 8; ++ks) {
+      if (ks < 2 * wi + 2) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma8<PRECISE>(acc[nt], aa[ks], Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
+                        Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
+      }
     }
+    if (ci + 1 < nch) load_w(ci + 1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -466,8 +538,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
     // h <- Diag(decay) h + kg^T U
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      const int r = (wi * MT + mt) * 16 + gq;
-      const float d0 = __ldg(ws + WL::decay + r), d1 = __ldg(ws + WL::decay + r + 8);
+      const float d0 = dec[mt][0], d1 = dec[mt][1];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         hacc[mt][nt][0] *= d0;
@@ -477,10 +548,9 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
 #pragma unroll
       for (int ks = 0; ks < kChunk / 8; ++ks) {
-        const float4 a = __ldg(kf + (mt * (kChunk / 8) + ks) * 32);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma8<PRECISE>(hacc[mt][nt], a, Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
+          mma8<PRECISE>(hacc[mt][nt], ka[mt * (kChunk / 8) + ks], Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
                         Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
       }
     }
