@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   float* X = akk + CH * CH;
   float* beta = X + CH * W;
   const int tid = threadIdx.x;
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * KP; i += NT) {
     const int t = i / KP, c = i % KP;
     q[i] = load_qk(p, p.q, cp, hv, t, c);
@@ -180,6 +181,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   }
   if (tid < CH) beta[tid] = tid < cp.Cc ? p.beta[(cp.row0 + tid) * p.HV + hv] : 0.f;
   __syncthreads();
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * VP; i += NT) {
     const int t = i / VP, c = i % VP;
     const float x = (t < cp.Cc && c < p.V) ? load_in(p.v, ((cp.row0 + t) * p.HV + hv) * p.V + c, p.in_dtype) : 0.f;
@@ -268,6 +270,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
 template <bool PC, bool QG>
 __device__ __forceinline__ void decay_rows(const Params& p, const ChunkPos& cp, int hv, float* kend, float* qg,
                                            float* abuf, float* gl) {
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = threadIdx.x; i < CH * KP; i += NT) {
     const int t = i / KP, c = i % KP;
     abuf[t * LDK + c] = (t < cp.Cc && c < p.K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
@@ -305,6 +308,7 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
   float* abuf = gl + KP;
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < KP * VS; i += NT) {
     const int c = i / VS, v = v0 + i % VS;
     h[i] = (p.h0 != nullptr && c < K && v < V) ? p.h0[((static_cast<int64_t>(n) * p.HV + hv) * K + c) * V + v] : 0.f;
@@ -325,10 +329,12 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
       const int cc = i / VS, v = v0 + i % VS;
       if (cc < K && v < V) p.hs[sbase + static_cast<size_t>(cc) * V + v] = h[i];
     }
+    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * KP; i += NT) {
       const int t = i / KP, cc = i % KP;
       w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
     }
+    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * VS; i += NT) {
       const int t = i / VS, v = v0 + i % VS;
       U[i] = (t < cp.Cc && v < V) ? p.u[((cp.row0 + t) * p.HV + hv) * V + v] : 0.f;
@@ -366,6 +372,7 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
   const int64_t nbase = (static_cast<int64_t>(n) * p.HV + hv) * K * V;
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < KP * VS; i += NT) {
     const int c = i / VS, v = v0 + i % VS;
     dS[i] = (p.dht != nullptr && c < K && v < V) ? p.dht[nbase + static_cast<int64_t>(c) * V + v] : 0.f;
@@ -387,13 +394,16 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
       if (cc < K && v < V) p.dhs[sbase + static_cast<size_t>(cc) * V + v] = dS[i];
     }
     const size_t abase = (static_cast<size_t>(cid) * p.HV + hv) * CH * CH;
+    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * CH; i += NT) aqk[i] = p.aqk[abase + i];
+    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * VS; i += NT) {
       const int t = i / VS, v = v0 + i % VS;
       dos[i] = (t < cp.Cc && v < V)
                    ? p.scale * load_in(p.grad_o, ((cp.row0 + t) * p.HV + hv) * V + v, p.in_dtype)
                    : 0.f;
     }
+    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * KP; i += NT) {
       const int t = i / KP, cc = i % KP;
       w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
@@ -450,10 +460,12 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
   auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
 
   // ---- stage 0: zero accumulators, dX_u = dU, beta
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * KP; i += NT) {
     R0[i] = 0.f;
     R1[i] = 0.f;
   }
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * W; i += NT) {
     const int t = i / W, c = i % W;
     R2[i] = (c < VP && t < cp.Cc && c < V) ? p.dU[tok(t) * V + c] : 0.f;
@@ -470,12 +482,14 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     float* Ut = dot + CH * TS;   // [CH][TS]
     for (int v0 = 0; v0 < V; v0 += 32) {
       __syncthreads();
+      #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
       for (int i = tid; i < KP * 32; i += NT) {
         const int c = i >> 5, v = i & 31;
         const bool ok = c < K && v0 + v < V;
         S0t[c * TS + v] = ok ? p.hs[sbase + static_cast<size_t>(c) * V + v0 + v] : 0.f;
         dS1t[c * TS + v] = ok ? p.dhs[sbase + static_cast<size_t>(c) * V + v0 + v] : 0.f;
       }
+      #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
       for (int i = tid; i < CH * 32; i += NT) {
         const int t = i >> 5, v = i & 31;
         const bool ok = t < cp.Cc && v0 + v < V;
@@ -495,6 +509,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     }
   }
   __syncthreads();
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * CH; i += NT) {
     const int t = i / CH, j = i % CH;
     if (j > t) R3[i] = 0.f;
@@ -516,6 +531,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     float* Xt = R5;  // [CH][TS]
     for (int x0 = 0; x0 < W; x0 += 32) {
       __syncthreads();
+      #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
       for (int i = tid; i < CH * 32; i += NT) {
         const int t = i >> 5, c = x0 + (i & 31);
         float x = 0.f;
@@ -540,6 +556,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
   // q, k into R5 (free since the X tiles are done)
   float* qs = R5;
   float* ks = R5 + CH * KP;
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * KP; i += NT) {
     const int t = i / KP, c = i % KP;
     qs[i] = load_qk(p, p.q, cp, hv, t, c);
@@ -604,6 +621,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
   // a into R2's w half
   float* dg = R2;  // stride W
   float* as = R2 + VP;  // stride W
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
   for (int i = tid; i < CH * KP; i += NT) {
     const int t = i / KP, c = i % KP;
     as[t * W + c] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
@@ -614,7 +632,15 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
   //   dq_t += dAqk[t,j] k_j E,  dk_t += dAkk[t,j] k_j E,  dk_j += (dAqk[t,j] q_t + dAkk[t,j] k_t) E,
   //   T_j = (dAqk[t,j] q_t + dAkk[t,j] k_t) k_j E,  dg_i += sum_{j < i} T_j for i = 1 .. t.
   {
+    // dk_j and dg_i contributions are summed over this thread's rows in registers (compile-time indices of the
+    // unrolled loops) and added to shared memory once at the end, instead of one shared atomic per (t, j).
     const int c = tid % KP, half = tid / KP;
+    float dkacc[CH], dgacc[CH];
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      dkacc[j] = 0.f;
+      dgacc[j] = 0.f;
+    }
     for (int t = half + 1; t < CH; t += 2) {
       const float qt = qs[t * KP + c], kt = ks[t * KP + c];
       float Tj[CH];
@@ -629,7 +655,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
           dqa = fmaf(xq, ke, dqa);
           dka = fmaf(xk, ke, dka);
           const float m = (xq * qt + xk * kt) * e;
-          atomicAdd(&R1[j * KP + c], m);
+          dkacc[j] += m;
           Tj[j] = m * kj;
         }
       }
@@ -640,9 +666,14 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
       for (int i = 1; i < CH; ++i) {
         if (i <= t) {
           run += Tj[i - 1];
-          atomicAdd(&dg[i * W + c], run);
+          dgacc[i] += run;
         }
       }
+    }
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      atomicAdd(&R1[j * KP + c], dkacc[j]);
+      atomicAdd(&dg[j * W + c], dgacc[j]);
     }
   }
   __syncthreads();
