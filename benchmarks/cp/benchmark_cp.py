@@ -59,6 +59,8 @@ def parse_args(argv=None):
                     help="a build variant dir to load (default: kernels.get_local_kernel on the repo root)")
     ap.add_argument("--timeout-min", type=float, default=60.0, help="collective timeout in minutes")
     ap.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny shapes, a correctness check")
+    ap.add_argument("--check", action="store_true",
+                    help="first run the smoke check (CP vs one rank, fp32, uneven split) on this run's devices")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "cp" / "results")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -184,6 +186,12 @@ def worker(rank, world, args, store_path):
               f"{torch.cuda.get_device_name(device) if use_cuda else platform.processor() or 'cpu'}, "
               f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
     results = []
+    if args.check and not args.smoke:  # the equality on the real devices and transport (NCCL on GPUs)
+        try:
+            results.append(dict(check=smoke_check(torch, dist, mod, cp, rank, world, device)))
+        except SystemExit as e:  # every rank sees the same all-reduced errors, so all record it and go on
+            results.append(dict(check_failed=str(e)))
+            log(rank, f"CHECK FAILED: {e}")
 
     def all_max(values):
         t = torch.tensor(values, dtype=torch.float64, device=device)

@@ -1,0 +1,39 @@
+#!/bin/bash
+# One call on the two-GPU H200 machine (device kind nvidia-h200-x2), everything under $OUT (at most 8 files):
+#   build the CUDA variant (sm_90) -> CUDA tests on GPU 1 while the chunked fwd / bwd benchmarks run on GPU 0
+#   -> the context-parallel benchmark on both GPUs (NCCL, NVLink multicast off), with its CP == one-rank check.
+# Carries flash-linear-attention 0.6.0 as wheels in .whl/ (carry=[".whl"]). Phase time limits are env vars.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/kda_out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+LOG="$OUT/all.log"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+{ date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
+  python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } >> "$LOG" 2>&1
+t0=$(date +%s)
+TORCH_CUDA_ARCH_LIST=9.0 KDA_CUDA_PTXAS_VERBOSE=1 timeout ${BUILD_TIMEOUT:-150} python3 scripts/build.py \
+  --backends cuda --jobs 32 > "$OUT/build.log" 2>&1 || { echo BUILD FAILED; tail -30 "$OUT/build.log"; exit 1; }
+echo "== build took $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+# GPU 1: every CUDA test file (junit names each test)
+( CUDA_VISIBLE_DEVICES=1 timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -n 12 -p no:cacheprovider \
+    tests/test_cuda_backend.py tests/test_cuda_chunk_fwd.py tests/test_cuda_chunk_bwd.py \
+    --junitxml="$OUT/tests.xml" > /tmp/tests.log 2>&1; echo "pytest exit $?" >> /tmp/tests.log ) &
+tests_pid=$!
+# GPU 0: chunked forward, then chunked forward+backward, side by side with fla 0.6.0
+( export CUDA_VISIBLE_DEVICES=0
+  echo "== bench_chunk_fwd"; BENCH_BUDGET_S=${FWD_BUDGET:-70} timeout ${FWD_TIMEOUT:-100} python3 benchmarks/cuda/bench_chunk_fwd.py
+  echo "== bench_chunk_bwd"; BENCH_NSHAPES=${BWD_NSHAPES:-1} timeout ${BWD_TIMEOUT:-90} python3 benchmarks/cuda/bench_chunk_bwd.py
+) >> "$LOG" 2>&1
+wait $tests_pid
+{ echo "== tests (GPU 1)"; grep -v "^\s*$" /tmp/tests.log | tail -40; } >> "$LOG"
+tail -3 /tmp/tests.log
+echo "== context parallel (2 GPUs)" >> "$LOG"
+timeout ${CP_TIMEOUT:-150} python3 benchmarks/cp/benchmark_cp.py --check --T ${CP_T:-131072,524288} \
+  --warmup 1 --iters ${CP_ITERS:-2} --out "$OUT" >> "$LOG" 2>&1
+echo "cp exit $?" >> "$LOG"
+grep -E "speedup|CHECK|check|cp exit|one device" "$LOG" | tail -20
+grep -E "^\{" "$LOG" | cut -c1-220 | tail -30
