@@ -70,9 +70,32 @@ def parse_args(argv=None):
 
 
 def load_package(args):
-    from kernels import get_local_kernel
+    """The kernels library's loader when installed; otherwise (a GPU machine without it) import the variant
+    directory directly: --build, else the build/ variant for this torch's device (cuda, then cpu, universal)."""
+    try:
+        from kernels import get_local_kernel
+    except ImportError:
+        get_local_kernel = None
+    if get_local_kernel is not None:
+        mod = get_local_kernel(args.build) if args.build else get_local_kernel(ROOT)
+    else:
+        import importlib.util
 
-    mod = get_local_kernel(args.build) if args.build else get_local_kernel(ROOT)
+        import torch
+
+        path = args.build
+        if path is None:
+            built = sorted(p for p in (ROOT / "build").glob("*") if (p / "metadata.json").is_file())
+            pick = [p for p in built if torch.version.cuda and "-cu" in p.name] or \
+                [p for p in built if "-cpu-" in p.name] or [p for p in built if p.name == "torch-universal"]
+            if not pick:
+                raise SystemExit(f"no built variant under {ROOT / 'build'}; run scripts/build.py first")
+            path = pick[0]
+        ns = json.loads((path / "metadata.json").read_text())["id"]
+        spec = importlib.util.spec_from_file_location(ns, path / "__init__.py", submodule_search_locations=[str(path)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[ns] = mod
+        spec.loader.exec_module(mod)
     cp = importlib.import_module(mod.__name__ + ".context_parallel")
     return mod, cp
 
