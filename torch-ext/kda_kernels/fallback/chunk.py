@@ -14,7 +14,7 @@ sweep, carrying dS from the last chunk to the first: memory is one chunk's graph
 """
 import torch
 
-from .common import expand_heads, from_padded_batch, reduce_heads, to_padded_batch
+from .common import expand_heads, from_padded_batch, reduce_heads, replay_backward, to_padded_batch
 
 CHUNK = 64
 SUB = 16
@@ -157,12 +157,6 @@ def delta_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, grad_o, 
     with torch.no_grad():
         qc, kc, vc, gc, bc, Tp, valid = _prepare(q, k, v, g, beta, cu_seqlens)
         N = qc.shape[0]
-        nchunks = qc.shape[2] // CHUNK
-        states = [_initial(initial_state, N, HV, K, Vd, qc)]
-        for i in range(nchunks - 1):
-            _, S = chunk_step(_chunks(qc, i), _chunks(kc, i), _chunks(vc, i), _chunks(gc, i), _chunks(bc, i),
-                              states[-1], scale)
-            states.append(S)
         # grad_o in the same padded, head-major layout as the chunks
         do = grad_o.float()
         if valid is not None:
@@ -170,25 +164,17 @@ def delta_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, grad_o, 
         do = torch.cat([do, do.new_zeros((do.shape[0], qc.shape[2] - do.shape[1]) + tuple(do.shape[2:]))], 1)
         do = do.transpose(1, 2)
     dS = grad_final_state.float() if grad_final_state is not None else qc.new_zeros(N, HV, K, Vd)
-    grads = {name: torch.zeros_like(x) for name, x in (("q", qc), ("k", kc), ("v", vc), ("g", gc), ("b", bc))}
-    for i in reversed(range(nchunks)):
-        ins = [_chunks(x, i).detach().requires_grad_(True) for x in (qc, kc, vc, gc, bc)]
-        S0 = states[i].detach().requires_grad_(True)
-        with torch.enable_grad():
-            o, S1 = chunk_step(*ins, S0, scale)
-            gi = torch.autograd.grad((o, S1), ins + [S0], (_chunks(do, i), dS), allow_unused=True)
-        for name, d in zip(("q", "k", "v", "g", "b"), gi[:5]):
-            if d is not None:
-                grads[name][:, :, i * CHUNK:(i + 1) * CHUNK] = d
-        dS = gi[5]
+    (gq, gk, gv, gg, gb), dS = replay_backward(
+        (qc, kc, vc, gc, bc), _initial(initial_state, N, HV, K, Vd, qc), do, dS,
+        lambda ins, S: chunk_step(*ins, S, scale), CHUNK, dim=2)
 
     def back(x):  # head-major padded -> caller's layout
         x = x[:, :, :Tp].transpose(1, 2)
         return from_padded_batch(x, valid, T) if valid is not None else x
 
-    dq = reduce_heads(back(grads["q"]), H).to(q.dtype)
-    dk = reduce_heads(back(grads["k"]), H).to(k.dtype)
-    dv = back(grads["v"]).to(v.dtype)
-    dg = back(grads["g"]).contiguous()
-    dbeta = back(grads["b"]).contiguous()
+    dq = reduce_heads(back(gq), H).to(q.dtype)
+    dk = reduce_heads(back(gk), H).to(k.dtype)
+    dv = back(gv).to(v.dtype)
+    dg = back(gg).contiguous()
+    dbeta = back(gb).contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dg, dbeta, dS.contiguous()

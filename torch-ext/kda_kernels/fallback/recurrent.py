@@ -7,7 +7,7 @@ segments last to first carrying dS, so memory holds one segment's graph.
 """
 import torch
 
-from .common import expand_heads, from_padded_batch, reduce_heads, to_padded_batch
+from .common import expand_heads, from_padded_batch, reduce_heads, replay_backward, to_padded_batch
 
 SEGMENT = 64
 
@@ -56,28 +56,14 @@ def delta_recurrent_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, grad
     HV, Vd = v.shape[2], v.shape[3]
     with torch.no_grad():
         q32, k32, v32, g32, b32, valid = _prepare(q, k, v, g, beta, cu_seqlens)
-        N, Tp = q32.shape[0], q32.shape[1]
+        N = q32.shape[0]
         do = grad_o.float()
         if valid is not None:
             do, _, _ = to_padded_batch(cu_seqlens, do)
-        S = initial_state.float() if initial_state is not None else q32.new_zeros(N, HV, K, Vd)
-        checkpoints = []
-        for t0 in range(0, Tp, SEGMENT):
-            checkpoints.append(S)
-            _, S = _run(q32, k32, v32, g32, b32, S, scale, t0, min(t0 + SEGMENT, Tp))
+        S0 = initial_state.float() if initial_state is not None else q32.new_zeros(N, HV, K, Vd)
     dS = grad_final_state.float() if grad_final_state is not None else q32.new_zeros(N, HV, K, Vd)
-    grads = [torch.zeros_like(x) for x in (q32, k32, v32, g32, b32)]
-    for si in reversed(range(len(checkpoints))):
-        t0, t1 = si * SEGMENT, min((si + 1) * SEGMENT, Tp)
-        ins = [x[:, t0:t1].detach().requires_grad_(True) for x in (q32, k32, v32, g32, b32)]
-        S0 = checkpoints[si].detach().requires_grad_(True)
-        with torch.enable_grad():
-            o, S1 = _run(*ins, S0, scale, 0, t1 - t0)
-            gi = torch.autograd.grad((o, S1), ins + [S0], (do[:, t0:t1], dS), allow_unused=True)
-        for acc, d in zip(grads, gi[:5]):
-            if d is not None:
-                acc[:, t0:t1] = d
-        dS = gi[5]
+    grads, dS = replay_backward((q32, k32, v32, g32, b32), S0, do, dS,
+                                lambda ins, S: _run(*ins, S, scale, 0, ins[0].shape[1]), SEGMENT, dim=1)
 
     def back(x):
         return from_padded_batch(x, valid, T) if valid is not None else x
