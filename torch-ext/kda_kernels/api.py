@@ -124,7 +124,17 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if num_accepted_tokens.device != device:
             raise ValueError(f"[{op}] num_accepted_tokens must be on q's device {device}, got "
                              f"{num_accepted_tokens.device}")
-    if not _validate._tracing():
+    if not _validate._tracing() and idx.dim() == 1:
+        # decode: one host read of the indices serves the range and the duplicate checks
+        rows = idx.tolist()
+        P = state_pool.shape[0]
+        if rows and max(rows) >= P:
+            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {max(rows)}")
+        writes = [r for r in rows if r >= 0]
+        if len(writes) != len(set(writes)):
+            dup = sorted({r for r in writes if writes.count(r) > 1})
+            raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
+    elif not _validate._tracing():
         P = state_pool.shape[0]
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
         if idx.dim() == 2 and idx.shape[1] < max(lens, default=0):
@@ -146,7 +156,7 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if len(writes) != len(set(writes)):
             dup = sorted({r for r in writes if writes.count(r) > 1})
             raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
-    return idx.to(torch.long).contiguous()
+    return idx if idx.dtype == torch.long and idx.is_contiguous() else idx.to(torch.long).contiguous()
 
 
 def _recurrent(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
