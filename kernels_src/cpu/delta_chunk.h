@@ -10,6 +10,10 @@
 // Every decay factor is a product of a_i <= 1 (no exp of a difference, nothing overflows): inside a 16-token
 // sub-chunk E[t,j] is formed exactly per channel; across sub-chunks it factors around the reference token
 // r = (first token of t's sub-chunk) - 1, E[t,j] = E[t,r] E[r,j], both factors products of decays.
+// The forward never forms w: U = (I + L)^{-1} Diag(beta) (V - (K * Gam) S0) solves V columns instead of V + K.
+// GDN forward (per-head gate): E[t,j] = exp(G_t - G_j) is one number per pair, so A_qk and A_kk are plain
+// GEMMs scaled elementwise afterwards (gdn_prep_chunk; G summed in double, each factor exp of a difference
+// <= 0), and every Gam / Eend product is a row scaling.
 //
 // Backward: chunk-start states from a forward sweep; per chunk (last first) the forward quantities are rebuilt
 // and every step above is reversed by hand (transposed GEMMs, back substitution with (I + L)^T, dL = -dR X^T).

@@ -2,8 +2,9 @@
 // a vectorised exp, the denormal guard and the parallel_for grain (the GEMM is in delta_chunk.h).
 // Everything lives in kda_kernels::cpu; only the op entry points (kda_chunk_fwd, ...) are global.
 //
-// Both families share one implementation: a GDN gate (one log decay per head and token) is the KDA gate
-// with the same value on every channel, and its dg is the sum of the per-channel dg.
+// The families share one implementation except for the chunked forward, where GDN (one log decay per head and
+// token) takes its own cheaper intra-chunk path (delta_chunk.h); elsewhere a GDN gate is the KDA gate with the
+// same value on every channel, and its dg is the sum of the per-channel dg.
 #pragma once
 
 #include <immintrin.h>
