@@ -224,10 +224,13 @@ inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, work_per_item));
 }
 
-// Per-thread scratch that survives between calls (no page faults on every call).
+// Per-thread scratch that survives between calls (no page faults on every call). The pointer is 64-byte
+// aligned: every buffer carved from it and every padded row (multiples of 8 floats) is then 32-byte aligned,
+// so no 8-float load or store splits a cache line (a large std::vector sits 16 bytes into its page).
 inline float* scratch(std::vector<float>& buf, size_t n) {
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
+  if (buf.size() < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
 }  // namespace kda_kernels::cpu
