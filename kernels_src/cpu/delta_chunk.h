@@ -10,6 +10,10 @@
 // Every decay factor is a product of a_i <= 1 (no exp of a difference, nothing overflows): inside a 16-token
 // sub-chunk E[t,j] is formed exactly per channel; across sub-chunks it factors around the reference token
 // r = (first token of t's sub-chunk) - 1, E[t,j] = E[t,r] E[r,j], both factors products of decays.
+// The forward never forms w: U = (I + L)^{-1} Diag(beta) (V - (K * Gam) S0) solves V columns instead of V + K.
+// GDN forward (per-head gate): E[t,j] = exp(G_t - G_j) is one number per pair, so A_qk and A_kk are plain
+// GEMMs scaled elementwise afterwards (gdn_prep_chunk; G summed in double, each factor exp of a difference
+// <= 0), and every Gam / Eend product is a row scaling.
 //
 // Backward: chunk-start states from a forward sweep; per chunk (last first) the forward quantities are rebuilt
 // and every step above is reversed by hand (transposed GEMMs, back substitution with (I + L)^T, dL = -dR X^T).
@@ -21,13 +25,134 @@
 
 namespace kda_kernels::cpu {
 
+// ------------------------------------------------------------------------------------------- dense blocks
+// Sum of a[i] * b[i], n a multiple of 8.
+inline float dot8(const float* __restrict a, const float* __restrict b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  if (i < n) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  return hsum8(_mm256_add_ps(s0, s1));
+}
+
+// dst = src^T: src is [rows_src x cols_src] (row stride lds), dst [cols_src x rows_src] (row stride ldd).
+// 8 x 8 tiles in registers when both sizes are multiples of 8 (always, for the padded chunk buffers).
+inline void transpose(const float* __restrict src, int64_t lds, float* __restrict dst, int64_t ldd, int64_t rows_src,
+                      int64_t cols_src) {
+  if (rows_src % 8 == 0 && cols_src % 8 == 0) {
+    for (int64_t i0 = 0; i0 < rows_src; i0 += 8)
+      for (int64_t j0 = 0; j0 < cols_src; j0 += 8) {
+        const float* s = src + i0 * lds + j0;
+        __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
+               r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds), r5 = _mm256_loadu_ps(s + 5 * lds),
+               r6 = _mm256_loadu_ps(s + 6 * lds), r7 = _mm256_loadu_ps(s + 7 * lds);
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+               t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        r0 = _mm256_shuffle_ps(t0, t2, 0x44);
+        r1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        r2 = _mm256_shuffle_ps(t1, t3, 0x44);
+        r3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        r4 = _mm256_shuffle_ps(t4, t6, 0x44);
+        r5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        r6 = _mm256_shuffle_ps(t5, t7, 0x44);
+        r7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* d = dst + j0 * ldd + i0;
+        _mm256_storeu_ps(d, _mm256_permute2f128_ps(r0, r4, 0x20));
+        _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(r1, r5, 0x20));
+        _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(r2, r6, 0x20));
+        _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(r3, r7, 0x20));
+        _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(r0, r4, 0x31));
+        _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(r1, r5, 0x31));
+        _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(r2, r6, 0x31));
+        _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(r3, r7, 0x31));
+      }
+    return;
+  }
+  for (int64_t i = 0; i < rows_src; ++i)
+    for (int64_t j = 0; j < cols_src; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+// R x 16 register tile of gemm below: 2R accumulators, two B loads and R broadcasts per k.
+template <int R, bool ACC>
+inline void gemm_tile16(int64_t Kd, __m256 va, const float* __restrict a, int64_t sai, int64_t sak,
+                        const float* __restrict b, int64_t ldb, float* __restrict c, int64_t ldc) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < Kd; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * sai);
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+    a += sak;
+    b += ldb;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    if (ACC) {
+      _mm256_storeu_ps(cr, _mm256_fmadd_ps(va, lo[r], _mm256_loadu_ps(cr)));
+      _mm256_storeu_ps(cr + 8, _mm256_fmadd_ps(va, hi[r], _mm256_loadu_ps(cr + 8)));
+    } else {
+      _mm256_storeu_ps(cr, _mm256_mul_ps(va, lo[r]));
+      _mm256_storeu_ps(cr + 8, _mm256_mul_ps(va, hi[r]));
+    }
+  }
+}
+
+// C[M x N] (ACC ? += : =) alpha * A B with A(i, k) = A[i * sai + k * sak] (so A^T is free) and B row-major
+// [Kd x N] (row stride ldb), C row-major (row stride ldc). M % 4 == 0 and N % 8 == 0.
+// 6 x 16 register tiles (12 accumulators: enough independent FMA chains to cover the FMA latency on both
+// pipes) for an even number of 6-row blocks, then 4 x 16 tiles for the rest (a multiple of 4 rows).
+template <bool ACC>
+inline void gemm(int64_t M, int64_t N, int64_t Kd, float alpha, const float* __restrict A, int64_t sai, int64_t sak,
+                 const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc) {
+  const __m256 va = _mm256_set1_ps(alpha);
+  const int64_t m6 = (M / 12) * 12;  // rows covered by 6-row tiles; M - m6 is a multiple of 4
+  int64_t n0 = 0;
+  for (; n0 + 16 <= N; n0 += 16) {
+    int64_t i0 = 0;
+    for (; i0 < m6; i0 += 6) gemm_tile16<6, ACC>(Kd, va, A + i0 * sai, sai, sak, B + n0, ldb, C + i0 * ldc + n0, ldc);
+    for (; i0 < M; i0 += 4) gemm_tile16<4, ACC>(Kd, va, A + i0 * sai, sai, sak, B + n0, ldb, C + i0 * ldc + n0, ldc);
+  }
+  if (n0 < N) {  // one 8-wide column block left
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+      __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+      const float* a = A + i0 * sai;
+      const float* b = B + n0;
+      for (int64_t k = 0; k < Kd; ++k) {
+        const __m256 b0 = _mm256_loadu_ps(b);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a), b0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + sai), b0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 2 * sai), b0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 3 * sai), b0, c3);
+        a += sak;
+        b += ldb;
+      }
+      float* c = C + i0 * ldc + n0;
+      const __m256 r[4] = {c0, c1, c2, c3};
+      for (int i = 0; i < 4; ++i) {
+        if (ACC)
+          _mm256_storeu_ps(c + i * ldc, _mm256_fmadd_ps(va, r[i], _mm256_loadu_ps(c + i * ldc)));
+        else
+          _mm256_storeu_ps(c + i * ldc, _mm256_mul_ps(va, r[i]));
+      }
+    }
+  }
+}
+
+
 constexpr int64_t CH = 64;
 constexpr int64_t SUB = 16;
 
 struct ChunkBufs {
   int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
   // inputs
-  float *q, *k, *a, *v, *beta;
+  float *q, *k, *a, *v, *beta, *gs;  // gs: the per-head gate of each row (GDN)
   // forward quantities
   float *gam, *eend, *qg, *kg, *kend, *aqk, *akk, *lm, *x, *u;
   // temporaries
@@ -42,7 +167,7 @@ struct ChunkBufs {
     b.Vp = Vp;
     b.W = Vp + Kp;
     const int64_t CK = CH * Kp, CV = CH * Vp, CC = CH * CH, CW = CH * b.W;
-    size_t need = 3 * CK + CV + CH + 5 * CK + 3 * CC + CW + CV + SUB * Kp * 3 + 3 * CK + CV + 2 * Kp;
+    size_t need = 3 * CK + CV + 2 * CH + 5 * CK + 3 * CC + CW + CV + SUB * Kp * 3 + 3 * CK + CV + 2 * Kp;
     if (bwd) need += CV + Vp * Kp + CK + Vp * Kp + 2 * CC + CV + CW + CW + CV + 7 * CK + CK + Kp;
     float* p = scratch(buf, need);
     auto take = [&](int64_t n) {
@@ -50,7 +175,7 @@ struct ChunkBufs {
       p += n;
       return r;
     };
-    b.q = take(CK); b.k = take(CK); b.a = take(CK); b.v = take(CV); b.beta = take(CH);
+    b.q = take(CK); b.k = take(CK); b.a = take(CK); b.v = take(CV); b.beta = take(CH); b.gs = take(CH);
     b.gam = take(CK); b.eend = take(CK); b.qg = take(CK); b.kg = take(CK); b.kend = take(CK);
     b.aqk = take(CC); b.akk = take(CC); b.lm = take(CC); b.x = take(CW); b.u = take(CV);
     b.lf = take(SUB * Kp); b.ql = take(SUB * Kp); b.kl = take(SUB * Kp); b.rr = take(CK); b.kr = take(CK);
@@ -66,7 +191,8 @@ struct ChunkBufs {
 };
 
 // Rows [c0, c0+Cc) of one (sequence, value head) into the chunk buffers, padded to Cp rows / Kp, Vp columns.
-template <typename T, bool PC>
+// NEED_A: fill a = exp(g) per channel (the KDA path and every backward); the GDN forward only needs gs = g.
+template <typename T, bool PC, bool NEED_A = true>
 inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const float* beta, const Dims& d,
                        const Seq& s, int64_t hv, int64_t c0, int64_t Cc, int64_t Cp, ChunkBufs& b) {
   const int64_t h = hv / d.G, K = d.K, V = d.V, Kp = b.Kp, Vp = b.Vp;
@@ -78,9 +204,10 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
     if (i >= Cc) {
       std::fill(qr, qr + Kp, 0.f);
       std::fill(kr, kr + Kp, 0.f);
-      std::fill(ar, ar + Kp, 1.f);
+      if (NEED_A) std::fill(ar, ar + Kp, 1.f);
       std::fill(vr, vr + Vp, 0.f);
       b.beta[i] = 0.f;
+      b.gs[i] = 0.f;
       continue;
     }
     const int64_t row = s.b * d.T + s.start + c0 + i;
@@ -90,11 +217,36 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
     if (PC) {
       exp_row(g + (row * d.HV + hv) * K, ar, K, Kp);
     } else {
-      const float av = std::exp(g[row * d.HV + hv]);
-      for (int64_t c = 0; c < K; ++c) ar[c] = av;
-      for (int64_t c = K; c < Kp; ++c) ar[c] = 1.f;
+      b.gs[i] = g[row * d.HV + hv];
+      if (NEED_A) {
+        const float av = std::exp(b.gs[i]);
+        for (int64_t c = 0; c < K; ++c) ar[c] = av;
+        for (int64_t c = K; c < Kp; ++c) ar[c] = 1.f;
+      }
     }
     b.beta[i] = beta[row * d.HV + hv];
+  }
+}
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t l = a & ~uintptr_t(63); l < a + bytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T1);
+}
+
+// Prefetch rows [i0, i1) of the chunk starting at token c0 into L2. The rows of one head are H*K elements
+// apart (each in its own page for long sequences): without this every chunk load waits on TLB and DRAM misses.
+template <typename T, bool PC>
+inline void prefetch_chunk(const T* q, const T* k, const T* v, const float* g, const Dims& d, const Seq& s,
+                           int64_t hv, int64_t c0, int64_t i0, int64_t i1) {
+  const int64_t h = hv / d.G, K = d.K, V = d.V;
+  i1 = std::min(i1, s.len - c0);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t row = s.b * d.T + s.start + c0 + i;
+    prefetch_bytes(q + (row * d.H + h) * K, K * sizeof(T));
+    prefetch_bytes(k + (row * d.H + h) * K, K * sizeof(T));
+    prefetch_bytes(v + (row * d.HV + hv) * V, V * sizeof(T));
+    if (PC) prefetch_bytes(g + (row * d.HV + hv) * K, K * sizeof(float));
   }
 }
 
@@ -188,9 +340,9 @@ inline void block_factors(ChunkBufs& b, int64_t p) {
   }
 }
 
-// Everything of the chunk that does not depend on the state: decays, A_qk, A_kk, L and X = [u | w].
-inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
-  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W;
+// The chunk's decays, A_qk, A_kk and L (KDA: per-channel decays).
+inline void prep_chunk_a(ChunkBufs& b, int64_t Cp) {
+  const int64_t Kp = b.Kp;
   for (int64_t t = 0; t < Cp; ++t) {
     float* gt = b.gam + t * Kp;
     if (t == 0)
@@ -231,25 +383,37 @@ inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
   }
   for (int64_t t = 0; t < Cp; ++t)
     for (int64_t j = 0; j < CH; ++j) b.lm[t * CH + j] = b.beta[t] * b.akk[t * CH + j];
-  // right-hand side [beta v | beta k Gam], then (I + L) X = RHS by blocks
+}
+
+// (I + L) X = X in place on ncols columns (row stride ldx), L = b.lm strictly lower: 16-row blocks, a GEMM
+// against the rows already solved, then forward substitution inside the block.
+inline void solve_lower(const float* lm, int64_t Cp, float* X, int64_t ldx, int64_t ncols) {
+  for (int64_t p = 0; p < Cp / SUB; ++p) {
+    const int64_t r0 = p * SUB;
+    if (p > 0) gemm<true>(SUB, ncols, r0, -1.f, lm + r0 * CH, CH, 1, X, ldx, X + r0 * ldx, ldx);
+    for (int64_t t = r0 + 1; t < r0 + SUB; ++t) {
+      float* xt = X + t * ldx;
+      for (int64_t j = r0; j < t; ++j) {
+        const float l = lm[t * CH + j];
+        const float* xj = X + j * ldx;
+        for (int64_t c = 0; c < ncols; ++c) xt[c] -= l * xj[c];
+      }
+    }
+  }
+}
+
+// Everything of the chunk that does not depend on the state, X = [u | w] included (the backward needs w).
+inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
+  const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W;
+  prep_chunk_a(b, Cp);
+  // right-hand side [beta v | beta k Gam], then (I + L) X = RHS
   for (int64_t t = 0; t < Cp; ++t) {
     float* xr = b.x + t * W;
     const float bt = b.beta[t];
     for (int64_t c = 0; c < Vp; ++c) xr[c] = bt * b.v[t * Vp + c];
     for (int64_t c = 0; c < Kp; ++c) xr[Vp + c] = bt * b.kg[t * Kp + c];
   }
-  for (int64_t p = 0; p < nb; ++p) {
-    const int64_t r0 = p * SUB;
-    if (p > 0) gemm<true>(SUB, W, r0, -1.f, b.lm + r0 * CH, CH, 1, b.x, W, b.x + r0 * W, W);
-    for (int64_t t = r0 + 1; t < r0 + SUB; ++t) {
-      float* xt = b.x + t * W;
-      for (int64_t j = r0; j < t; ++j) {
-        const float l = b.lm[t * CH + j];
-        const float* xj = b.x + j * W;
-        for (int64_t c = 0; c < W; ++c) xt[c] -= l * xj[c];
-      }
-    }
-  }
+  solve_lower(b.lm, Cp, b.x, W, W);
 }
 
 // U = u - w S0 (Cp x Vp)
@@ -287,6 +451,92 @@ inline ChunkScratch& chunk_scratch() {
   return s;
 }
 
+// ------------------------------------------------------------------------------------------- GDN rows
+// With one decay per token (GDN) E[t,j] = exp(G_t - G_j) is one number per pair, G the in-chunk cumulative log
+// decay: A_qk = (Q K^T) . E and A_kk = (K K^T) . E are plain GEMMs followed by one factor per pair, and
+// Q Gam, K Gam, K Eend are row scalings. G is summed in double, so G_t - G_j keeps full fp32 precision however
+// large |G| grows (gates of -20 sum to -1280 over a chunk); every factor is the exp of (later - earlier)
+// cumulative decay, a difference <= 0 (no exp(-G), nothing overflows).
+struct GdnRows {
+  double G[CH];
+  float gam[CH], eend[CH];
+};
+
+inline void gdn_prep_chunk(ChunkBufs& b, int64_t Cp, GdnRows& r) {
+  const int64_t Kp = b.Kp;
+  double acc = 0.0;
+  for (int64_t t = 0; t < Cp; ++t) {
+    acc += b.gs[t];
+    r.G[t] = acc;
+  }
+  for (int64_t t = 0; t < Cp; ++t) {
+    r.gam[t] = static_cast<float>(std::exp(r.G[t]));
+    r.eend[t] = static_cast<float>(std::exp(r.G[Cp - 1] - r.G[t]));
+  }
+  transpose(b.k, Kp, b.krt, CH, Cp, Kp);  // krt [Kp x Cp], row stride CH
+  alignas(32) float dif[CH], fac[CH];
+  for (int64_t p = 0; p < Cp / SUB; ++p) {
+    const int64_t r0 = p * SUB, n = r0 + SUB;
+    gemm<false>(SUB, n, Kp, 1.f, b.q + r0 * Kp, Kp, 1, b.krt, CH, b.aqk + r0 * CH, CH);
+    gemm<false>(SUB, n, Kp, 1.f, b.k + r0 * Kp, Kp, 1, b.krt, CH, b.lm + r0 * CH, CH);
+    for (int64_t t = r0; t < n; ++t) {
+      const double Gt = r.G[t];
+      for (int64_t j = 0; j <= t; ++j) dif[j] = static_cast<float>(Gt - r.G[j]);
+      exp_row(dif, fac, t + 1, t + 1);
+      float* aq = b.aqk + t * CH;
+      float* lk = b.lm + t * CH;
+      const float bt = b.beta[t];
+      for (int64_t j = 0; j <= t; ++j) aq[j] *= fac[j];
+      for (int64_t j = 0; j < t; ++j) lk[j] *= bt * fac[j];
+      for (int64_t j = t + 1; j < n; ++j) aq[j] = 0.f;
+      for (int64_t j = t; j < n; ++j) lk[j] = 0.f;
+    }
+  }
+}
+
+// One chunk forward from state S (updated in place): U = (I + L)^{-1} Diag(beta) (V - (K Gam) S0) (the solve
+// runs on V columns only: w S0 is never formed), o = scale ((Q Gam) S0 + A_qk U) when o is given (Cp x Vp),
+// S <- Gam_last S + (K Eend)^T U. pf(stage) is called between the stages (prefetch of the next chunk).
+template <bool PC, typename Pf>
+inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* o, Pf&& pf) {
+  const int64_t Kp = b.Kp, Vp = b.Vp;
+  GdnRows r;
+  if (PC)
+    prep_chunk_a(b, Cp);
+  else
+    gdn_prep_chunk(b, Cp, r);
+  pf(1);
+  gemm<false>(Cp, Vp, Kp, 1.f, PC ? b.kg : b.k, Kp, 1, S, Vp, b.u, Vp);
+  for (int64_t t = 0; t < Cp; ++t) {
+    float* ut = b.u + t * Vp;
+    const float* vt = b.v + t * Vp;
+    const float bt = b.beta[t], gt = PC ? 1.f : r.gam[t];
+    for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - gt * ut[c]);
+  }
+  solve_lower(b.lm, Cp, b.u, Vp, Vp);
+  pf(2);
+  if (o) {
+    gemm<false>(Cp, Vp, Kp, sc, PC ? b.qg : b.q, Kp, 1, S, Vp, o, Vp);
+    if (!PC)
+      for (int64_t t = 0; t < Cp; ++t)
+        for (int64_t c = 0; c < Vp; ++c) o[t * Vp + c] *= r.gam[t];
+    for (int64_t p = 0; p < Cp / SUB; ++p)
+      gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
+  }
+  pf(3);
+  if (PC) {
+    chunk_state(b, Cp, S);
+  } else {
+    const float gl = r.gam[Cp - 1];
+    for (int64_t i = 0; i < Kp * Vp; ++i) S[i] *= gl;
+    for (int64_t t = 0; t < Cp; ++t) {
+      const float e = r.eend[t];
+      for (int64_t c = 0; c < Kp; ++c) b.kend[t * Kp + c] = e * b.k[t * Kp + c];
+    }
+    gemm<true>(Kp, Vp, Cp, 1.f, b.kend, 1, Kp, b.u, Vp, S, Vp);
+  }
+}
+
 // ------------------------------------------------------------------------------------------- forward
 template <typename T, bool PC>
 void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -303,7 +553,8 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
   const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = item_grain(seqs, KV);
+  at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
     ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, false);
@@ -313,18 +564,16 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const Seq& s = seqs[n];
       state_in(h0p ? h0p + item * KV : nullptr, K, V, S, Kp, Vp);
       for (int64_t c0 = 0; c0 < s.len; c0 += CH) {
-        const int64_t Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
-        load_chunk<T, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
-        prep_chunk(b, Cp);
-        chunk_u(b, Cp, S);
-        gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, b.o, Vp);
-        for (int64_t p = 0; p < Cp / SUB; ++p)
-          gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, b.o + p * SUB * Vp, Vp);
+        const int64_t Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB), nx = c0 + CH;
+        load_chunk<T, PC, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+        auto pf = [&](int stage) {
+          if (nx < s.len) prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, hv, nx, (stage - 1) * CH / 3, stage * CH / 3);
+        };
+        chunk_fwd_core<PC>(b, Cp, sc, S, b.o, pf);
         for (int64_t i = 0; i < Cc; ++i) {
           const int64_t row = s.b * d.T + s.start + c0 + i;
           store_row(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
         }
-        chunk_state(b, Cp, S);
       }
       state_out(S, Kp, Vp, fp + item * KV, K, V);
     }
@@ -513,7 +762,8 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
   const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8), KVp = Kp * Vp;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = item_grain(seqs, KV);
+  at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
     ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, true);
@@ -531,11 +781,9 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       state_in(h0p ? h0p + item * KV : nullptr, K, V, st, Kp, Vp);
       for (int64_t c = 0; c + 1 < nc; ++c) {
         const int64_t c0 = c * CH, Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
-        load_chunk<T, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
-        prep_chunk(b, Cp);
-        chunk_u(b, Cp, st + c * KVp);
+        load_chunk<T, PC, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
         std::memcpy(st + (c + 1) * KVp, st + c * KVp, KVp * sizeof(float));
-        chunk_state(b, Cp, st + (c + 1) * KVp);
+        chunk_fwd_core<PC>(b, Cp, sc, st + (c + 1) * KVp, nullptr, [](int) {});
       }
       state_in(dfp ? dfp + item * KV : nullptr, K, V, dS, Kp, Vp);
       for (int64_t c = nc - 1; c >= 0; --c) {

@@ -1,9 +1,10 @@
 // Shared helpers of the CPU backend (docs/ops.md): input checks, sequence layout, dtype conversion,
-// a vectorised exp, the denormal guard and a register-blocked fp32 GEMM used by the chunked kernels.
+// a vectorised exp, the denormal guard and the parallel_for grain (the GEMM is in delta_chunk.h).
 // Everything lives in kda_kernels::cpu; only the op entry points (kda_chunk_fwd, ...) are global.
 //
-// Both families share one implementation: a GDN gate (one log decay per head and token) is the KDA gate
-// with the same value on every channel, and its dg is the sum of the per-channel dg.
+// The families share one implementation except for the chunked forward, where GDN (one log decay per head and
+// token) takes its own cheaper intra-chunk path (delta_chunk.h); elsewhere a GDN gate is the KDA gate with the
+// same value on every channel, and its dg is the sum of the per-channel dg.
 #pragma once
 
 #include <immintrin.h>
@@ -128,6 +129,16 @@ inline void zero_uncovered(const std::vector<Seq>& seqs, const Dims& d, at::Tens
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// parallel_for grain over (sequence, value head) items: work per item = mean tokens per sequence x K x V
+// (grain_for below).
+inline int64_t grain_for(int64_t work_per_item);
+inline int64_t item_grain(const std::vector<Seq>& seqs, int64_t KV) {
+  int64_t tokens = 0;
+  for (const auto& s : seqs) tokens += s.len;
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(seqs.size()));
+  return grain_for(std::max<int64_t>(1, tokens / n) * KV);
+}
+
 // ------------------------------------------------------------------------------------------- dtypes
 template <typename T>
 inline float to_f(T x) {
@@ -208,132 +219,21 @@ inline float hsum8(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
-// Sum of a[i] * b[i], n a multiple of 8.
-inline float dot8(const float* __restrict a, const float* __restrict b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  if (i < n) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  return hsum8(_mm256_add_ps(s0, s1));
+// Items per at::parallel_for task over (sequence, value head): at least kTaskWork token x state-element
+// updates (about 30 us on one core) per task, so small calls (decode of a few heads, short sequences) stay on
+// the calling thread instead of paying for waking the others; large ones still split into one task per thread.
+constexpr int64_t kTaskWork = int64_t(1) << 17;
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, work_per_item));
 }
 
-// dst = src^T: src is [rows_src x cols_src] (row stride lds), dst [cols_src x rows_src] (row stride ldd).
-// 8 x 8 tiles in registers when both sizes are multiples of 8 (always, for the padded chunk buffers).
-inline void transpose(const float* __restrict src, int64_t lds, float* __restrict dst, int64_t ldd, int64_t rows_src,
-                      int64_t cols_src) {
-  if (rows_src % 8 == 0 && cols_src % 8 == 0) {
-    for (int64_t i0 = 0; i0 < rows_src; i0 += 8)
-      for (int64_t j0 = 0; j0 < cols_src; j0 += 8) {
-        const float* s = src + i0 * lds + j0;
-        __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + lds), r2 = _mm256_loadu_ps(s + 2 * lds),
-               r3 = _mm256_loadu_ps(s + 3 * lds), r4 = _mm256_loadu_ps(s + 4 * lds), r5 = _mm256_loadu_ps(s + 5 * lds),
-               r6 = _mm256_loadu_ps(s + 6 * lds), r7 = _mm256_loadu_ps(s + 7 * lds);
-        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
-               t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-        r0 = _mm256_shuffle_ps(t0, t2, 0x44);
-        r1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-        r2 = _mm256_shuffle_ps(t1, t3, 0x44);
-        r3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        r4 = _mm256_shuffle_ps(t4, t6, 0x44);
-        r5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-        r6 = _mm256_shuffle_ps(t5, t7, 0x44);
-        r7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-        float* d = dst + j0 * ldd + i0;
-        _mm256_storeu_ps(d, _mm256_permute2f128_ps(r0, r4, 0x20));
-        _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(r1, r5, 0x20));
-        _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(r2, r6, 0x20));
-        _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(r3, r7, 0x20));
-        _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(r0, r4, 0x31));
-        _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(r1, r5, 0x31));
-        _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(r2, r6, 0x31));
-        _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(r3, r7, 0x31));
-      }
-    return;
-  }
-  for (int64_t i = 0; i < rows_src; ++i)
-    for (int64_t j = 0; j < cols_src; ++j) dst[j * ldd + i] = src[i * lds + j];
-}
-
-// C[M x N] (ACC ? += : =) alpha * A B with A(i, k) = A[i * sai + k * sak] (so A^T is free) and B row-major
-// [Kd x N] (row stride ldb), C row-major (row stride ldc). M % 4 == 0 and N % 8 == 0.
-// 4 x 16 register tile: 8 accumulators, two B loads and four broadcasts per k.
-template <bool ACC>
-inline void gemm(int64_t M, int64_t N, int64_t Kd, float alpha, const float* __restrict A, int64_t sai, int64_t sak,
-                 const float* __restrict B, int64_t ldb, float* __restrict C, int64_t ldc) {
-  const __m256 va = _mm256_set1_ps(alpha);
-  int64_t n0 = 0;
-  for (; n0 + 16 <= N; n0 += 16) {
-    for (int64_t i0 = 0; i0 < M; i0 += 4) {
-      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-      const float* a = A + i0 * sai;
-      const float* b = B + n0;
-      for (int64_t k = 0; k < Kd; ++k) {
-        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        __m256 x = _mm256_broadcast_ss(a);
-        c00 = _mm256_fmadd_ps(x, b0, c00);
-        c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + sai);
-        c10 = _mm256_fmadd_ps(x, b0, c10);
-        c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2 * sai);
-        c20 = _mm256_fmadd_ps(x, b0, c20);
-        c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3 * sai);
-        c30 = _mm256_fmadd_ps(x, b0, c30);
-        c31 = _mm256_fmadd_ps(x, b1, c31);
-        a += sak;
-        b += ldb;
-      }
-      float* c = C + i0 * ldc + n0;
-#define KDA_GEMM_STORE(row, lo, hi)                                                                           \
-  if (ACC) {                                                                                                  \
-    _mm256_storeu_ps(c + (row) * ldc, _mm256_fmadd_ps(va, lo, _mm256_loadu_ps(c + (row) * ldc)));             \
-    _mm256_storeu_ps(c + (row) * ldc + 8, _mm256_fmadd_ps(va, hi, _mm256_loadu_ps(c + (row) * ldc + 8)));     \
-  } else {                                                                                                    \
-    _mm256_storeu_ps(c + (row) * ldc, _mm256_mul_ps(va, lo));                                                 \
-    _mm256_storeu_ps(c + (row) * ldc + 8, _mm256_mul_ps(va, hi));                                             \
-  }
-      KDA_GEMM_STORE(0, c00, c01)
-      KDA_GEMM_STORE(1, c10, c11)
-      KDA_GEMM_STORE(2, c20, c21)
-      KDA_GEMM_STORE(3, c30, c31)
-#undef KDA_GEMM_STORE
-    }
-  }
-  if (n0 < N) {  // one 8-wide column block left
-    for (int64_t i0 = 0; i0 < M; i0 += 4) {
-      __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-      const float* a = A + i0 * sai;
-      const float* b = B + n0;
-      for (int64_t k = 0; k < Kd; ++k) {
-        const __m256 b0 = _mm256_loadu_ps(b);
-        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(a), b0, c0);
-        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + sai), b0, c1);
-        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 2 * sai), b0, c2);
-        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 3 * sai), b0, c3);
-        a += sak;
-        b += ldb;
-      }
-      float* c = C + i0 * ldc + n0;
-      const __m256 r[4] = {c0, c1, c2, c3};
-      for (int i = 0; i < 4; ++i) {
-        if (ACC)
-          _mm256_storeu_ps(c + i * ldc, _mm256_fmadd_ps(va, r[i], _mm256_loadu_ps(c + i * ldc)));
-        else
-          _mm256_storeu_ps(c + i * ldc, _mm256_mul_ps(va, r[i]));
-      }
-    }
-  }
-}
-
-// Per-thread scratch that survives between calls (no page faults on every call).
+// Per-thread scratch that survives between calls (no page faults on every call). The pointer is 64-byte
+// aligned: every buffer carved from it and every padded row (multiples of 8 floats) is then 32-byte aligned,
+// so no 8-float load or store splits a cache line (a large std::vector sits 16 bytes into its page).
 inline float* scratch(std::vector<float>& buf, size_t n) {
-  if (buf.size() < n) buf.resize(n);
-  return buf.data();
+  if (buf.size() < n + 16) buf.resize(n + 16);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
 }  // namespace kda_kernels::cpu

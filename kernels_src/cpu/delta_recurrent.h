@@ -206,7 +206,7 @@ void recurrent_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   T* op = o.data_ptr<T>();
   float* fp = fin.data_ptr<float>();
   const int64_t KV = d.K * d.V, N = static_cast<int64_t>(seqs.size());
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * d.HV, item_grain(seqs, KV), [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / d.HV, hv = item % d.HV;
@@ -269,7 +269,7 @@ void recurrent_serve_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   if (!per_token) {
     // one row per sequence, read then written back by that sequence only (duplicates are rejected upstream)
     constexpr bool kDirect = std::is_same<PT, float>::value;
-    at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N * d.HV, item_grain(seqs, KV), [&](int64_t begin, int64_t end) {
       DenormalGuard guard;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t n = item / d.HV, hv = item % d.HV;
@@ -296,13 +296,13 @@ void recurrent_serve_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   // may be another's write row; then run and write the state after each token to its row.
   at::Tensor starts = at::empty({N, d.HV, d.K, d.V}, q.options().dtype(at::kFloat));
   float* sp = starts.data_ptr<float>();
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * d.HV, item_grain(seqs, KV), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / d.HV, hv = item % d.HV;
       if (start[n] >= 0) pool_load(pp + (start[n] * d.HV + hv) * KV, vfirst, d.K, d.V, sp + item * KV);
     }
   });
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * d.HV, item_grain(seqs, KV), [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / d.HV, hv = item % d.HV;
@@ -451,7 +451,7 @@ void recurrent_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   float* dh0p = dh0.data_ptr<float>();
   const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, N * d.HV, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * d.HV, item_grain(seqs, KV), [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ThreadScratch& ts = thread_scratch();
     for (int64_t item = begin; item < end; ++item) {

@@ -29,38 +29,47 @@ def _tracing():
 
 
 def check_core(op, q, k, v, g, beta, scale, per_channel):
-    """Shapes, dtypes, devices and scale of the inputs of every public function. Returns (B, T, H, K, HV, V, scale)."""
+    """Shapes, dtypes, devices and scale of the inputs of every public function. Returns (B, T, H, K, HV, V, scale).
+
+    Runs on every call (decode included): the common valid case takes the cheapest comparisons (torch.Size
+    against tuples, dtype identity); the messages are built only when a check fails.
+    """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        tensor(name, x, op)
-    if q.dim() != 4:
+        if not isinstance(x, torch.Tensor):
+            tensor(name, x, op)
+    qs, vs = q.shape, v.shape
+    if len(qs) != 4:
         raise ValueError(f"[{op}] q must be [B, T, H, K] (4 dims), got shape {_shape(q)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
+    B, T, H, K = qs
+    if k.shape != qs:
         raise ValueError(f"[{op}] k must have q's shape [B, T, H, K] = {_shape(q)}, got {_shape(k)}")
-    if v.dim() != 4 or v.shape[0] != B or v.shape[1] != T:
+    if len(vs) != 4 or vs[0] != B or vs[1] != T:
         raise ValueError(f"[{op}] v must be [B, T, HV, V] = [{B}, {T}, HV, V], got shape {_shape(v)}")
-    HV, V = v.shape[2], v.shape[3]
+    HV, V = vs[2], vs[3]
     if H == 0 or HV % H != 0:
         raise ValueError(f"[{op}] the number of value heads HV={HV} (v.shape[2]) must be a positive multiple of "
                          f"the q/k heads H={H} (q.shape[2])")
     if K == 0 or V == 0:
         raise ValueError(f"[{op}] head dims must be positive, got K={K} (q.shape[3]) and V={V} (v.shape[3])")
-    want_g = [B, T, HV, K] if per_channel else [B, T, HV]
-    if _shape(g) != want_g:
+    want_g = (B, T, HV, K) if per_channel else (B, T, HV)
+    if g.shape != want_g:
         kind = "[B, T, HV, K] (per-channel KDA gate)" if per_channel else "[B, T, HV] (per-head GDN gate)"
-        raise ValueError(f"[{op}] g must be {kind} = {want_g}, got {_shape(g)}")
-    if _shape(beta) != [B, T, HV]:
+        raise ValueError(f"[{op}] g must be {kind} = {list(want_g)}, got {_shape(g)}")
+    if beta.shape != (B, T, HV):
         raise ValueError(f"[{op}] beta must be [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype not in _FLOATS:
-            raise TypeError(f"[{op}] {name} must be float32, bfloat16 or float16, got {_name(x.dtype)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
+    qd = q.dtype
+    if qd not in _FLOATS or k.dtype is not qd or v.dtype is not qd:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype not in _FLOATS:
+                raise TypeError(f"[{op}] {name} must be float32, bfloat16 or float16, got {_name(x.dtype)}")
         raise TypeError(f"[{op}] q, k and v must share one dtype, got q {_name(q.dtype)}, k {_name(k.dtype)}, "
                         f"v {_name(v.dtype)}")
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype not in _FLOATS:
             raise TypeError(f"[{op}] {name} must be float32, bfloat16 or float16, got {_name(x.dtype)}")
-    same_device(op, q=q, k=k, v=v, g=g, beta=beta)
+    dev = q.device
+    if k.device != dev or v.device != dev or g.device != dev or beta.device != dev:
+        same_device(op, q=q, k=k, v=v, g=g, beta=beta)
     if scale is None:
         scale = K ** -0.5
     else:
@@ -110,11 +119,11 @@ def check_state(op, name, state, rows, HV, K, V, state_v_first, device, rows_des
     if state is None:
         return
     tensor(name, state, op)
-    want = [HV, V, K] if state_v_first else [HV, K, V]
-    layout = "[{}, HV, V, K]" if state_v_first else "[{}, HV, K, V]"
-    layout = layout.format(rows_desc)
-    if state.dim() != 4 or _shape(state)[1:] != want or (rows is not None and state.shape[0] != rows):
-        full = ([rows] if rows is not None else [rows_desc]) + want
+    want = (HV, V, K) if state_v_first else (HV, K, V)
+    shape = state.shape
+    if len(shape) != 4 or shape[1:] != want or (rows is not None and shape[0] != rows):
+        layout = ("[{}, HV, V, K]" if state_v_first else "[{}, HV, K, V]").format(rows_desc)
+        full = ([rows] if rows is not None else [rows_desc]) + list(want)
         raise ValueError(f"[{op}] {name} must be {layout} = {full}, got shape {_shape(state)}")
     if state.dtype not in _FLOATS:
         raise TypeError(f"[{op}] {name} must be float32 (bfloat16/float16 accepted, computed in float32), "

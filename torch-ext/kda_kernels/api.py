@@ -124,10 +124,20 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if num_accepted_tokens.device != device:
             raise ValueError(f"[{op}] num_accepted_tokens must be on q's device {device}, got "
                              f"{num_accepted_tokens.device}")
-    if not _validate._tracing():
+    if not _validate._tracing() and idx.dim() == 1:
+        # one row per sequence (decode): one host read of the indices serves the range and duplicate checks
+        rows = idx.tolist()
+        P = state_pool.shape[0]
+        if rows and max(rows) >= P:
+            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {max(rows)}")
+        writes = [r for r in rows if r >= 0]
+        if len(writes) != len(set(writes)):
+            dup = sorted({r for r in writes if writes.count(r) > 1})
+            raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
+    elif not _validate._tracing():  # per-token indices [N, T] (speculative decoding)
         P = state_pool.shape[0]
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
-        if idx.dim() == 2 and idx.shape[1] < max(lens, default=0):
+        if idx.shape[1] < max(lens, default=0):
             raise ValueError(f"[{op}] per-token ssm_state_indices need a column per token: [N, >= "
                              f"{max(lens)}], got {list(idx.shape)}")
         if idx.numel() and int(idx.max()) >= P:
@@ -136,17 +146,14 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
             acc = num_accepted_tokens.tolist()
             if any(a < 1 or a > idx.shape[1] for a in acc):
                 raise ValueError(f"[{op}] num_accepted_tokens must be in [1, {idx.shape[1]}], got {acc}")
-        # rows this call writes: each active sequence's final row, or one row per (sequence, token)
-        if idx.dim() == 1:
-            writes = [int(r) for r in idx.tolist() if r >= 0]
-        else:
-            rows = idx.tolist()
-            starts = [rows[n][(acc[n] if num_accepted_tokens is not None else 1) - 1] for n in range(N)]
-            writes = [int(r) for n in range(N) if starts[n] >= 0 for r in rows[n][:lens[n]] if r >= 0]
+        # rows this call writes: one row per (active sequence, token)
+        rows = idx.tolist()
+        starts = [rows[n][(acc[n] if num_accepted_tokens is not None else 1) - 1] for n in range(N)]
+        writes = [int(r) for n in range(N) if starts[n] >= 0 for r in rows[n][:lens[n]] if r >= 0]
         if len(writes) != len(set(writes)):
             dup = sorted({r for r in writes if writes.count(r) > 1})
             raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
-    return idx.to(torch.long).contiguous()
+    return idx if idx.dtype == torch.long and idx.is_contiguous() else idx.to(torch.long).contiguous()
 
 
 def _recurrent(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
