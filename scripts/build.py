@@ -191,7 +191,10 @@ def compile_cpu(torch, ns, dst, tmp, jobs):
         for f in futs:
             f.result()
     lib = f"{ns}.so"
-    run([cxx, "-shared", "-fopenmp", *map(str, objs), "-o", str(dst / lib), *torch_link_flags(torch)],
+    # -Bsymbolic: the library calls its own kernels even when another build of kda-kernels (another version or
+    # variant, same C++ symbol names) is loaded in the same process first
+    run([cxx, "-shared", "-fopenmp", "-Wl,-Bsymbolic", *map(str, objs), "-o", str(dst / lib),
+         *torch_link_flags(torch)],
         f"linked {lib}")
     return lib
 
