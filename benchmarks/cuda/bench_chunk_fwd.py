@@ -11,14 +11,14 @@ is printed as a sanity check. ratio = fla time / ours (above 1: ours faster).
 """
 import json
 import os
-import sys
 import time
-import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
+
+from cuda_variant import load_cuda_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
@@ -33,15 +33,7 @@ def rec(**kw):
 
 
 def load_ours():
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    path = ROOT / "build" / f"torch{major}{minor}-cxx11-cu{torch.version.cuda.replace('.', '')[:3]}-x86_64-linux"
-    spec = importlib.util.spec_from_file_location("kda_cuda_chunk_bench", path / "__init__.py",
-                                                  submodule_search_locations=[str(path)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    assert mod.BACKEND == "cuda" and mod.NATIVE
-    return mod
+    return load_cuda_variant("kda_cuda_chunk_bench")
 
 
 def mk(B, T, H, HV, K, V, kda):
