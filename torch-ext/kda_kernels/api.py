@@ -124,32 +124,26 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if num_accepted_tokens.device != device:
             raise ValueError(f"[{op}] num_accepted_tokens must be on q's device {device}, got "
                              f"{num_accepted_tokens.device}")
-    if not _validate._tracing() and idx.dim() == 1:
-        # one row per sequence (decode): one host read of the indices serves the range and duplicate checks
+    if not _validate._tracing():
+        # one host read of the indices serves the range, num_accepted_tokens and duplicate-write checks
+        P = state_pool.shape[0]
         rows = idx.tolist()
-        P = state_pool.shape[0]
-        if rows and max(rows) >= P:
-            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {max(rows)}")
-        writes = [r for r in rows if r >= 0]
-        if len(writes) != len(set(writes)):
-            dup = sorted({r for r in writes if writes.count(r) > 1})
-            raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
-    elif not _validate._tracing():  # per-token indices [N, T] (speculative decoding)
-        P = state_pool.shape[0]
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
-        if idx.shape[1] < max(lens, default=0):
-            raise ValueError(f"[{op}] per-token ssm_state_indices need a column per token: [N, >= "
-                             f"{max(lens)}], got {list(idx.shape)}")
-        if idx.numel() and int(idx.max()) >= P:
-            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {int(idx.max())}")
-        if num_accepted_tokens is not None:
-            acc = num_accepted_tokens.tolist()
-            if any(a < 1 or a > idx.shape[1] for a in acc):
+        if idx.dim() == 2:  # per-token indices [N, T] (speculative decoding)
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if cu_seqlens is not None else [T] * N
+            if idx.shape[1] < max(lens, default=0):
+                raise ValueError(f"[{op}] per-token ssm_state_indices need a column per token: [N, >= "
+                                 f"{max(lens)}], got {list(idx.shape)}")
+        flat = rows if idx.dim() == 1 else [r for row in rows for r in row]
+        if flat and max(flat) >= P:
+            raise ValueError(f"[{op}] ssm_state_indices must be < the pool size P={P}, got max {max(flat)}")
+        if idx.dim() == 1:  # one row per sequence: read and written back
+            writes = [r for r in rows if r >= 0]
+        else:  # one row per (active sequence, token)
+            acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else [1] * N
+            if num_accepted_tokens is not None and any(a < 1 or a > idx.shape[1] for a in acc):
                 raise ValueError(f"[{op}] num_accepted_tokens must be in [1, {idx.shape[1]}], got {acc}")
-        # rows this call writes: one row per (active sequence, token)
-        rows = idx.tolist()
-        starts = [rows[n][(acc[n] if num_accepted_tokens is not None else 1) - 1] for n in range(N)]
-        writes = [int(r) for n in range(N) if starts[n] >= 0 for r in rows[n][:lens[n]] if r >= 0]
+            starts = [rows[n][acc[n] - 1] for n in range(N)]
+            writes = [r for n in range(N) if starts[n] >= 0 for r in rows[n][:lens[n]] if r >= 0]
         if len(writes) != len(set(writes)):
             dup = sorted({r for r in writes if writes.count(r) > 1})
             raise ValueError(f"[{op}] ssm_state_indices write pool rows {dup} more than once in one call")
