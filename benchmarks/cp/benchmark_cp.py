@@ -79,9 +79,10 @@ def load_package(args):
     if get_local_kernel is not None:
         mod = get_local_kernel(args.build) if args.build else get_local_kernel(ROOT)
     else:
-        import importlib.util
-
         import torch
+
+        sys.path.insert(0, str(ROOT / "benchmarks" / "cuda"))
+        from cuda_variant import load_variant_dir
 
         path = args.build
         if path is None:
@@ -91,11 +92,7 @@ def load_package(args):
             if not pick:
                 raise SystemExit(f"no built variant under {ROOT / 'build'}; run scripts/build.py first")
             path = pick[0]
-        ns = json.loads((path / "metadata.json").read_text())["id"]
-        spec = importlib.util.spec_from_file_location(ns, path / "__init__.py", submodule_search_locations=[str(path)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[ns] = mod
-        spec.loader.exec_module(mod)
+        mod = load_variant_dir(path, json.loads((path / "metadata.json").read_text())["id"])
     cp = importlib.import_module(mod.__name__ + ".context_parallel")
     return mod, cp
 
