@@ -4,7 +4,7 @@ reference (tests/ref_delta.py) at DESIGN.md section 6 tolerances.
 Needs a CUDA GPU: without one the module is skipped with the reason. Cases: random and correlated keys, gates
 logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20, T in {1, 63, 65, 200, 1000} (chunk boundaries, a partial
 last chunk, many chunks), varlen with empty sequences, GVA, initial state and grad of the final state (and
-neither), odd head dims, fp32 / bf16 / fp16 inputs.
+neither), odd head dims, V > 128 (column blocks), fp32 / bf16 / fp16 inputs.
 """
 import sys
 from pathlib import Path
@@ -39,6 +39,9 @@ CASES = {
     "varlen_empty": dict(H=2, HV=2, cu=[0, 0, 17, 17, 90, 91, 200]),
     "odd_dims": dict(B=2, T=77, H=1, HV=2, K=40, V=30),
     "k192_recurrent_route": dict(B=1, T=40, H=1, HV=1, K=192, V=64),
+    # V > 128: the chunked backward on column blocks (the context-parallel transition runs at width K + V)
+    "v256_blocks": dict(B=1, T=130, H=1, HV=2, K=64, V=256),
+    "v200_blocks_varlen": dict(H=1, HV=2, K=32, V=200, cu=[0, 0, 70, 150]),
 }
 
 

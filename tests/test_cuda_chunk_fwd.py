@@ -79,6 +79,7 @@ CASES = {
     "kv64": dict(K=64, V=64, T=130),
     "odd_kv": dict(K=40, V=30, T=77),
     "wide_v": dict(K=128, V=80, T=66, HV=2, H=2),
+    "cp_width_v256": dict(K=128, V=256, T=130, HV=2, H=1),  # the context-parallel transition's width K + V
     "varlen": dict(cu=[0, 0, 70, 70, 135, 136, 300]),
     "varlen_extreme": dict(cu=[0, 64, 64, 65, 193], extreme=True),
 }

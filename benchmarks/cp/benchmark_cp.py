@@ -13,8 +13,9 @@ the bytes each rank sends through the collectives.
 
 Timing: CUDA events (perf_counter on the CPU), `--warmup` untimed then `--iters` timed iterations, each started
 after a barrier; a CP iteration's time is the slowest rank's (all_reduce MAX); the median is reported. The
-single-GPU baseline runs on rank 0 while the other ranks wait (an OOM there is reported, not fatal: holding
-T tokens on one GPU is what CP avoids). Shares: rank 0's fraction of the tokens ("even" = 1/W, a number, or
+single-GPU baseline runs on rank 0 while the other ranks wait; when one call over T tokens does not fit (the
+backward's work buffers grow with T), it runs as 2 or 4 chained calls on that GPU (state passed on; same math
+and kernels; the JSON's `segments`), and an OOM even then is reported, not fatal. Shares: rank 0's fraction of the tokens ("even" = 1/W, a number, or
 "auto" = balanced from the even split's per-rank times: rank 0 runs the plain op at value width V, the others
 run the transition at width K+V plus o += o_P S_in, so rank 0 can take more tokens). Bytes sent per rank are
 counted at the call site of the package's all_gather: (W-1) x payload (a ring all_gather), forward and backward.
@@ -159,6 +160,51 @@ def step_fn(torch, fn, xs, mode, grad_o, kwargs):
     return run
 
 
+def chained(torch, fn, segments):
+    """fn over the whole sequence as `segments` consecutive calls, the final state of one the initial state of
+    the next: the same math and the same kernels as one call, with 1/segments of the backward's work memory."""
+    def run(q, k, v, g, beta, **kw):
+        T = q.shape[1]
+        cuts = [T * i // segments // 64 * 64 for i in range(segments)] + [T]
+        outs, h = [], None
+        for a, b in zip(cuts, cuts[1:]):
+            o, h = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h,
+                      output_final_state=True, **kw)
+            outs.append(o)
+        return torch.cat(outs, 1), h
+    return run
+
+
+def run_single(torch, device, use_cuda, args, single_fn, family, T, mode):
+    """The whole sequence on one device (rank 0). When one call does not fit in memory (the backward's work
+    buffers grow with T), the sequence runs as 2, then 4 chained calls on the same device; `segments` says so."""
+    H, HV, K, V = args.H, args.HV, args.K, args.V
+    dtype = getattr(torch, args.dtype)
+    error = None
+    for segments in (1, 2, 4):
+        xs = grad_o = run = None
+        try:
+            xs = make_inputs(torch, family, T, H, HV, K, V, dtype, device, 99, mode == "fwdbwd")
+            grad_o = torch.randn(1, T, HV, V, device=device, dtype=dtype) if mode == "fwdbwd" else None
+            if use_cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            fn = single_fn if segments == 1 else chained(torch, single_fn, segments)
+            run = step_fn(torch, fn, xs, mode, grad_o, dict(use_qk_l2norm_in_kernel=True))
+            for _ in range(args.warmup):
+                run()
+            ts = [time_one(torch, device, run) for _ in range(args.iters)]
+            return dict(ms=statistics.median(ts), ms_all=ts, segments=segments,
+                        peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else 0.0)
+        except torch.OutOfMemoryError as e:
+            error = f"OOM with {segments} segment(s): {str(e).splitlines()[0]}"
+            log(0, error)
+        finally:
+            del xs, grad_o, run
+            if use_cuda:
+                torch.cuda.empty_cache()
+    return dict(error=error)
+
+
 def rank0_shares(spec, W, T, per_rank_even):
     """Token boundaries for a rank-0 share; 'auto' balances per-token costs measured with the even split."""
     if spec == "even":
@@ -277,29 +323,13 @@ def worker(rank, world, args, store_path):
                 if not args.no_single:
                     single = None
                     if rank == 0:
-                        try:
-                            xs = make_inputs(torch, family, T, H, HV, K, V, dtype, device, 99, mode == "fwdbwd")
-                            grad_o = torch.randn(1, T, HV, V, device=device, dtype=dtype) \
-                                if mode == "fwdbwd" else None
-                            if use_cuda:
-                                torch.cuda.reset_peak_memory_stats(device)
-                            run = step_fn(torch, single_fn, xs, mode, grad_o, dict(use_qk_l2norm_in_kernel=True))
-                            for _ in range(args.warmup):
-                                run()
-                            ts = [time_one(torch, device, run) for _ in range(args.iters)]
-                            single = dict(ms=statistics.median(ts), ms_all=ts,
-                                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda
-                                          else 0.0)
-                            del xs, grad_o, run
-                        except torch.OutOfMemoryError as e:
-                            single = dict(error=f"OOM: {str(e).splitlines()[0]}")
-                        if use_cuda:
-                            torch.cuda.empty_cache()
+                        single = run_single(torch, device, use_cuda, args, single_fn, family, T, mode)
                         rec["single"] = single
                         if "ms" in single:
                             for e in rec["cp"]:
                                 e["speedup"] = single["ms"] / e["ms"]
-                        log(rank, f"{family} T={T} {mode} one device: "
+                        seg = f" as {single['segments']} chained calls" if single.get("segments", 1) > 1 else ""
+                        log(rank, f"{family} T={T} {mode} one device{seg}: "
                                   + (f"{single['ms']:.2f} ms, peak {single['peak_gib']:.1f} GiB; speedup "
                                      + ", ".join(f"{e['share']} {e['speedup']:.2f}x" for e in rec["cp"])
                                      if "ms" in single else single["error"]))

@@ -1,6 +1,11 @@
 // Host side of the chunked backward (kda_chunk_bwd, gdn_chunk_bwd): checks, work buffers, the five launches of
-// delta_chunk_bwd.cuh. Heads wider than 128 (K or V) run the recurrent backward (same function, exact).
+// delta_chunk_bwd.cuh. K > 128 runs the recurrent backward (same function, exact). V > 128 runs the chunked
+// backward on column blocks of <= 128: every column of the state evolves with its own column of v, so dv and
+// dh0 are per block and dq, dk, dg, dbeta are sums over blocks (summed in fp32 before the cast). This keeps a
+// wide call -- the context-parallel transition at value width K + V -- on the chunked kernels.
 #pragma once
+
+#include <vector>
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_host.cuh"
@@ -8,18 +13,17 @@
 namespace kda_kernels {
 namespace cuda {
 
+// One call of the five kernels for V <= 128. dq, dk, dg are per value head and fp32 (before the GVA sum).
+struct ChunkBwdF32 {
+  at::Tensor dq, dk, dg, dbeta, dv, dh0;
+};
+
 template <bool PC>
-DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& g, const at::Tensor& beta, double scale,
-                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
-                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+                            const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                            const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
   namespace cb = chunk_bwd;
-  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
-  if (s.K > cb::KP || s.V > cb::VP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1)
-    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
-  c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
-              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
   const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
   // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
   const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
@@ -102,10 +106,54 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
     cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  at::Tensor dq_out = sum_gva(dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
-  at::Tensor dk_out = sum_gva(dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
-  at::Tensor dg_out = PC ? dg.view({s.B, s.T, s.HV, s.K}) : dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
-  return {dq_out, dk_out, dv, dg_out.contiguous(), dbeta, dh0};
+  return {dq, dk, dg, dbeta, dv, dh0};
+}
+
+template <bool PC>
+DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, double scale,
+                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+  namespace cb = chunk_bwd;
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1)
+    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
+              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
+  std::optional<at::Tensor> dht;
+  if (grad_final_state.has_value() && grad_final_state->defined()) dht = *grad_final_state;
+  ChunkBwdF32 r;
+  const int nblk = (s.V + cb::VP - 1) / cb::VP;
+  if (nblk <= 1) {
+    r = chunk_bwd_block<PC>(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, dht);
+  } else {
+    const int64_t vb = (s.V + nblk - 1) / nblk;  // equal blocks: V = 256 -> 2 x 128, V = 200 -> 2 x 100
+    std::vector<at::Tensor> dvs, dh0s;
+    for (int64_t v0 = 0; v0 < s.V; v0 += vb) {
+      const int64_t w = std::min<int64_t>(vb, s.V - v0);
+      auto cut = [&](const at::Tensor& x) { return x.narrow(-1, v0, w).contiguous(); };
+      Shapes sb = s;
+      sb.V = static_cast<int>(w);
+      std::optional<at::Tensor> h0b, dhtb;
+      if (initial_state.has_value()) h0b = cut(*initial_state);
+      if (dht.has_value()) dhtb = cut(*dht);
+      ChunkBwdF32 part = chunk_bwd_block<PC>(op, sb, q, k, cut(v), g, beta, scale, h0b, cu, cut(grad_o), dhtb);
+      if (v0 == 0) {
+        r.dq = part.dq; r.dk = part.dk; r.dg = part.dg; r.dbeta = part.dbeta;
+      } else {
+        r.dq.add_(part.dq); r.dk.add_(part.dk); r.dg.add_(part.dg); r.dbeta.add_(part.dbeta);
+      }
+      dvs.push_back(part.dv);
+      dh0s.push_back(part.dh0);
+    }
+    r.dv = at::cat(dvs, -1);
+    r.dh0 = at::cat(dh0s, -1);
+  }
+  at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+  at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
+  return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
 }
 
 }  // namespace cuda
