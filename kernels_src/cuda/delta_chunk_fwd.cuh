@@ -152,16 +152,19 @@ static __global__ void __launch_bounds__(1024) delta_chunk_map_kernel(const int6
   for (int i = total + tid; i < max_chunks; i += 1024) seq[i] = -1;
 }
 
+constexpr size_t cmax(size_t a, size_t b) { return a > b ? a : b; }
+
 template <int KP>
 struct PrepSmem {
   static constexpr int LD = KP + 4;  // fp32 row stride of q/k/R tiles (conflict-free fragment reads)
   static constexpr int LDA = kChunk + 4;
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
-  static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;  // double P [64][KP], later float R [96][LD]
-  static constexpr size_t pr_bytes = (sizeof(double) * kChunk * KP > sizeof(float) * 96 * LD)
-                                         ? sizeof(double) * kChunk * KP
-                                         : sizeof(float) * 96 * LD;
+  static constexpr int LDX = KP + 8;  // fp32 row stride of X = K e^G (conflict-free B-fragment reads)
+  // double P [64][KP], later float R [96][LD], later float X [64][LDX]
+  static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;
+  static constexpr size_t pr_bytes = cmax(cmax(sizeof(double) * kChunk * KP, sizeof(float) * 96 * LD),
+                                          sizeof(float) * kChunk * LDX);
   static constexpr size_t aq = pr + pr_bytes;
   static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
   static constexpr size_t gs = ak + sizeof(float) * kChunk * LDA;  // gates of the chunk [64][LD]
@@ -229,6 +232,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}. Threads [0, KP) run the prefix sums,
   //      threads [KP, 2 KP) the suffix sums (kPrepThreads >= 2 KP).
   static_assert(kPrepThreads >= 2 * KP, "P0a needs two threads per channel");
+  static_assert(kPrepThreads >= KP + 64, "P4 needs KP + 64 threads");
   if (tid < KP) {
     const int c = tid;
     double G = 0.0, P = 0.0;
@@ -362,37 +366,109 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   }
   __syncthreads();
 
-  // ---- P4: forward substitution (I + A_kk Diag(beta)) X = [K e^G | V], one column per thread, in registers
-  for (int col = tid; col < KP + V; col += kPrepThreads) {
-    float x[kChunk];
-    if (col < KP) {
+  // ---- P4: M^-1 for M = I + A_kk Diag(beta) (unit lower triangular), then w = M^-1 (K e^G), u0 = M^-1 V.
+  //      (a) threads [0, KP): X = K e^G (the chunk's double prefix sums) into the P/R storage (stride LDX, conflict-
+  //          free B fragments); threads [KP, KP + 64): the four 16x16 diagonal blocks T_aa = M_aa^-1, one column
+  //          per thread (forward substitution of a unit vector, 120 FMAs), upper triangle zero; T over Aq.
+  //      (b) for a = 1..3: Y = sum_{c=b}^{a-1} Ab_ac T_cb, then T_ab = -T_aa Y (b < a), fp32 on CUDA cores.
+  //      (c) w and u0 on tensor cores: a warp owns 8 output columns (of w, then of u0) and all four row blocks;
+  //          row block a needs only the k-blocks 0..a (T is lower triangular).
+  {
+    constexpr int LDX = SM::LDX;
+    float* Xs = reinterpret_cast<float*>(smem + SM::pr);  // K e^G [64][LDX]
+    float* Ts = Aq;                                       // T = M^-1 [64][LDA] (lower blocks only)
+    float* Ys = Qs;                                       // Y [16][48]
+    if (tid < KP) {
+      const int c = tid;
       double G = 0.0;
-#pragma unroll
+#pragma unroll 4
       for (int t = 0; t < kChunk; ++t) {
-        G += gate(t, col);
-        x[t] = kglob(t, col) * __expf(static_cast<float>(G));
+        G += gate(t, c);
+        Xs[t * LDX + c] = kglob(t, c) * __expf(static_cast<float>(G));
       }
-    } else {
-      const int vc = col - KP;
+    } else if (tid < KP + 64) {
+      const int a = (tid - KP) >> 4, j = (tid - KP) & 15;
+      const float* Ab = Ak + a * kSub * LDA + a * kSub;
+      float x[kSub];
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) x[t] = (t < L) ? load_in(p.v, ((tok0 + t) * HV + hv) * V + vc, dt) : 0.f;
+      for (int i = 0; i < kSub; ++i) {
+        float s = (i == j) ? 1.f : 0.f;
+#pragma unroll
+        for (int m = 0; m < i; ++m) s = fmaf(-Ab[i * LDA + m], x[m], s);
+        x[i] = (i < j) ? 0.f : s;
+      }
+      float* Td = Ts + a * kSub * LDA + a * kSub + j;
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
     }
-#pragma unroll
-    for (int t = 1; t < kChunk; ++t) {
-      // four independent partial sums (the FMA chain is the latency of this phase)
-      float s[4] = {x[t], 0.f, 0.f, 0.f};
-      const float* Arow = Ak + t * LDA;
-#pragma unroll
-      for (int j = 0; j < t; ++j) s[j & 3] = fmaf(-Arow[j], x[j], s[j & 3]);
-      x[t] = (s[0] + s[1]) + (s[2] + s[3]);
+    __syncthreads();
+#pragma unroll 1
+    for (int a = 1; a < 4; ++a) {
+      const int ncol = a * kSub;  // columns [0, 16a) of block row a
+      for (int idx = tid; idx < kSub * ncol; idx += kPrepThreads) {
+        const int i = idx / ncol, col = idx - (idx / ncol) * ncol;
+        const float* Arow = Ak + (a * kSub + i) * LDA;
+        float s0 = 0.f, s1 = 0.f;
+        for (int m = (col >> 4) * kSub; m < a * kSub; m += 2) {
+          s0 = fmaf(Arow[m], Ts[m * LDA + col], s0);
+          s1 = fmaf(Arow[m + 1], Ts[(m + 1) * LDA + col], s1);
+        }
+        Ys[i * 48 + col] = s0 + s1;
+      }
+      __syncthreads();
+      for (int idx = tid; idx < kSub * ncol; idx += kPrepThreads) {
+        const int i = idx / ncol, col = idx - (idx / ncol) * ncol;
+        const float* Trow = Ts + (a * kSub + i) * LDA + a * kSub;
+        float s = 0.f;
+        for (int m = 0; m <= i; ++m) s = fmaf(Trow[m], Ys[m * 48 + col], s);
+        Ts[(a * kSub + i) * LDA + col] = -s;
+      }
+      __syncthreads();
     }
-    if (col < KP) {
+
+    const int gq = lane >> 2, t4 = lane & 3;
+    const int ntw = KP / 8, ntv = (V + 7) / 8;
+    for (int item = warp; item < ntw + ntv; item += kPrepThreads / 32) {
+      const bool isw = item < ntw;
+      const int n0 = (isw ? item : item - ntw) * 8;
+      float b[kChunk / 8][2];
+      if (isw) {
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) ws[WL::w + frag_index<KP>(t, col)] = x[t];
-    } else {
-      float* u = ws + WL::u + (col - KP);
+        for (int ks = 0; ks < kChunk / 8; ++ks) {
+          b[ks][0] = Xs[(ks * 8 + t4) * LDX + n0 + gq];
+          b[ks][1] = Xs[(ks * 8 + t4 + 4) * LDX + n0 + gq];
+        }
+      } else {
+        const int vc = n0 + gq;
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) u[t * V] = x[t];
+        for (int ks = 0; ks < kChunk / 8; ++ks)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int t = ks * 8 + t4 + 4 * hh;
+            b[ks][hh] = (t < L && vc < V) ? load_in(p.v, ((tok0 + t) * HV + hv) * V + vc, dt) : 0.f;
+          }
+      }
+      float acc[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
+        const float* Ta = Ts + (a * kSub + gq) * LDA + t4;
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 8; ++ks) {
+          if (ks < 2 * a + 2) {
+            const float4 af = make_float4(Ta[ks * 8], Ta[8 * LDA + ks * 8], Ta[ks * 8 + 4], Ta[8 * LDA + ks * 8 + 4]);
+            mma8<PRECISE>(acc[a], af, b[ks][0], b[ks][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = a * kSub + gq + (e >> 1) * 8, c = n0 + 2 * t4 + (e & 1);
+          if (isw) ws[WL::w + frag_index<KP>(r, c)] = acc[a][e];
+          else if (c < V) ws[WL::u + static_cast<int64_t>(r) * V + c] = acc[a][e];
+        }
     }
   }
 }
