@@ -159,3 +159,119 @@ def test_frag_index_bijective():
     for KD in (64, 128):
         idx = {frag_index(r, c, KD) for r in range(C) for c in range(KD)}
         assert idx == set(range(C * KD))
+
+
+def test_pair_decode_covers_each_pair_once():
+    """P1: pair index pr in [0, 4 * 136) -> (t, j), j <= t, both in sub-chunk a = pr / 136."""
+    seen = set()
+    for pr in range(4 * 136):
+        a, qq = divmod(pr, 136)
+        tl = 0
+        while (tl + 1) * (tl + 2) // 2 <= qq:
+            tl += 1
+        jl = qq - tl * (tl + 1) // 2
+        assert 0 <= jl <= tl < 16
+        seen.add((a * 16 + tl, a * 16 + jl))
+    assert seen == {(t, j) for t in range(64) for j in range(64) if j <= t and t // 16 == j // 16}
+
+
+def test_pair_bank_pattern():
+    """P1: per warp, the 16-row window of P rows j read at one column hits distinct 8-byte bank pairs (stride
+    KP + 1 doubles), and the k rows at most 3-way (stride KP + 4 floats)."""
+    for KP in (64, 128):
+        for w in range(4 * 136 // 32):  # 544 = 17 full warps
+            js = []
+            for pr in range(32 * w, min(32 * w + 32, 4 * 136)):
+                a, qq = divmod(pr, 136)
+                tl = 0
+                while (tl + 1) * (tl + 2) // 2 <= qq:
+                    tl += 1
+                js.append(a * 16 + qq - tl * (tl + 1) // 2)
+            for half in (js[:16], js[16:]):  # 64-bit loads: two half-warp passes
+                banks = {}
+                for j in set(half):
+                    banks.setdefault((2 * j * (KP + 1)) % 32, set()).add(j)
+                assert max(len(v) for v in banks.values()) == 1
+            fb = {}
+            for j in set(js):
+                fb.setdefault((j * (KP + 4)) % 32, set()).add(j)
+            assert max(len(v) for v in fb.values()) <= 3  # a warp can straddle two sub-chunks
+
+
+def emu_prep_kda(q, k, g, beta):
+    """The prep kernel's math for one KDA chunk (float32 where the kernel is float32, float64 where it uses
+    double), vectorised over channels: returns A_kk Diag(beta) (strictly lower), the X = K e^G it builds from the
+    scaled k and ea, and w, u0 via the blocked inverse."""
+    Cn, KP = k.shape
+    f32 = np.float32
+    gs = g.astype(f32)
+    G = np.cumsum(gs.astype(np.float64), axis=0)  # P0a chunk prefix (double)
+    P = np.zeros_like(G)
+    for a in range(4):
+        P[a * 16:(a + 1) * 16] = np.cumsum(gs[a * 16:(a + 1) * 16].astype(np.float64), axis=0)
+    ea = np.ones((4, KP), f32)
+    for a in range(1, 4):
+        ea[a] = np.exp(G[16 * a - 1].astype(f32))
+    A = np.zeros((Cn, Cn), f32)
+    # P1 intra
+    for t in range(Cn):
+        for j in range(t // 16 * 16, t):
+            e = np.exp((P[t] - P[j]).astype(f32))
+            A[t, j] = np.sum(k[t] * (k[j] * e))
+    # P0b: R factors (suffix sums from r = 16a - 1) and left factors (prefix within the sub-chunk)
+    ks = k.copy()
+    R = {}
+    for a in range(1, 4):
+        S = np.zeros(KP)
+        Ra = np.zeros((16 * a, KP), f32)
+        for j in range(16 * a - 1, -1, -1):
+            Ra[j] = k[j] * np.exp(S.astype(f32))
+            S = S + gs[j]
+        R[a] = Ra
+    Pl = np.zeros(KP)
+    for t in range(Cn):
+        if t % 16 == 0:
+            Pl = np.zeros(KP)
+        Pl = Pl + gs[t]
+        ks[t] = k[t] * np.exp(Pl.astype(f32))
+    for a in range(1, 4):
+        A[16 * a:16 * a + 16, :16 * a] = ks[16 * a:16 * a + 16] @ R[a].T
+    Ab = (A * beta[None, :]).astype(f32)
+    X = np.empty_like(ks)
+    for t in range(Cn):
+        X[t] = ks[t] * ea[t >> 4]
+    T = emu_inverse(Ab)
+    return Ab, X, T
+
+
+@pytest.mark.parametrize("gate_scale", [0.1, 1.0, 10.0, "adversarial"])
+def test_prep_kda_against_float64(gate_scale):
+    rng = np.random.default_rng(7)
+    KP = 64
+    q = rng.standard_normal((C, KP)).astype(np.float32)
+    k = (rng.standard_normal((C, KP)) / 8).astype(np.float32)
+    beta = rng.uniform(0, 1, C).astype(np.float32)
+    if gate_scale == "adversarial":
+        g = -np.abs(rng.standard_normal((C, KP))) * 0.1
+        g[rng.uniform(size=g.shape) < 0.3] = -20.0
+        g[rng.uniform(size=g.shape) < 0.03] = -1e4
+    else:
+        g = -np.logaddexp(0, -rng.standard_normal((C, KP))) / gate_scale  # logsigmoid(randn) / scale
+    g = g.astype(np.float32)
+    Ab, X, T = emu_prep_kda(q, k, g, beta)
+    # float64 definition
+    G = np.cumsum(g.astype(np.float64), axis=0)
+    A = np.zeros((C, C))
+    for t in range(C):
+        for j in range(t):
+            A[t, j] = np.sum(k[t] * k[j] * np.exp(G[t] - G[j]))
+    Abr = A * beta[None, :].astype(np.float64)
+    Xr = k * np.exp(G)
+    np.testing.assert_allclose(Ab, Abr, atol=1e-6, rtol=1e-4)
+    np.testing.assert_allclose(X, Xr, atol=1e-7, rtol=1e-5)
+    w = T.astype(np.float64) @ X
+    wr = np.linalg.solve(np.eye(C) + Abr, Xr)
+    low = np.tril(np.ones((4, 4), bool)).repeat(16, 0).repeat(16, 1)
+    assert not np.isnan(T[low]).any()
+    w = np.where(low, T, 0.0).astype(np.float64) @ X
+    assert np.sqrt(np.mean((w - wr) ** 2)) <= 1e-5 * np.sqrt(np.mean(wr ** 2)) + 1e-30

@@ -70,6 +70,10 @@ __device__ __forceinline__ int frag_index(int r, int c) {
   return ((((r >> 4) * (KD / 8) + (c >> 3)) << 5) + lane) * 4 + slot;
 }
 
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -161,15 +165,18 @@ struct PrepSmem {
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
   static constexpr int LDX = KP + 8;  // fp32 row stride of X = K e^G (conflict-free B-fragment reads)
-  // double P [64][KP], later float R [96][LD], later float X [64][LDX]
+  static constexpr int PDS = KP + 1;  // double row stride of P (16 rows at one column hit 16 bank pairs)
+  // double P [64][PDS], later float R [96][LD], later float X [64][LDX]
   static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;
-  static constexpr size_t pr_bytes = cmax(cmax(sizeof(double) * kChunk * KP, sizeof(float) * 96 * LD),
+  static constexpr size_t pr_bytes = cmax(cmax(sizeof(double) * kChunk * PDS, sizeof(float) * 96 * LD),
                                           sizeof(float) * kChunk * LDX);
   static constexpr size_t aq = pr + pr_bytes;
   static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
   static constexpr size_t gs = ak + sizeof(float) * kChunk * LDA;  // gates of the chunk [64][LD]
   static constexpr size_t bs = gs + sizeof(float) * kChunk * LD;
-  static constexpr size_t bytes = bs + sizeof(float) * kChunk;
+  // KDA: ea[a][c] = e^{G_{16a-1}} (ea[0] = 1); GDN: ea[t] = e^{G_t}
+  static constexpr size_t ea = bs + sizeof(float) * kChunk;
+  static constexpr size_t bytes = ea + sizeof(float) * 4 * KP;
 };
 
 template <bool PC, int KP, bool PRECISE>
@@ -185,6 +192,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   float* Ak = reinterpret_cast<float*>(smem + SM::ak);
   float* gs = reinterpret_cast<float*>(smem + SM::gs);
   float* bs = reinterpret_cast<float*>(smem + SM::bs);
+  float* Ea = reinterpret_cast<float*>(smem + SM::ea);
+  constexpr int PDS = SM::PDS;
 
   const int cid = blockIdx.x, hv = blockIdx.y;
   int64_t tok0;
@@ -197,30 +206,44 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   using WL = WsLayout<KP>;
 
   auto gate = [&](int t, int c) -> float { return gs[t * LD + c]; };
-  auto kglob = [&](int t, int c) -> float {
-    if (t >= L || c >= K) return 0.f;
-    return load_in(p.k, ((tok0 + t) * p.H + h) * K + c, dt);
-  };
 
-  // ---- P0: q, k (zero padded), beta; clear A
-#pragma unroll 4
-  for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
-    const int t = i / KP, c = i - (i / KP) * KP;
-    float qv = 0.f, kv = 0.f;
-    if (t < L && c < K) {
-      const int64_t off = ((tok0 + t) * p.H + h) * K + c;
-      qv = load_in(p.q, off, dt);
-      kv = load_in(p.k, off, dt);
+  // ---- P0: q, k, g (zero padded), beta; clear A. Typed loads, 8 elements of each in flight per thread before
+  //      any shared store (the stores would otherwise order the generic loads one element at a time).
+  auto stage = [&](const auto* qp, const auto* kp) {
+    constexpr int kPer = kChunk * KP / kPrepThreads, kBatch = 8;
+    static_assert(kPer % kBatch == 0, "P0 batches");
+#pragma unroll 1
+    for (int i0 = 0; i0 < kPer; i0 += kBatch) {
+      float qv[kBatch], kv[kBatch], gv[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = tid + (i0 + u) * kPrepThreads;
+        const int t = i / KP, c = i % KP;
+        qv[u] = kv[u] = gv[u] = 0.f;
+        if (t < L && c < K) {
+          const int64_t off = ((tok0 + t) * p.H + h) * K + c;
+          qv[u] = to_f32(qp[off]);
+          kv[u] = to_f32(kp[off]);
+          const int64_t row = (tok0 + t) * HV + hv;
+          gv[u] = PC ? __ldg(p.g + row * K + c) : __ldg(p.g + row);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = tid + (i0 + u) * kPrepThreads;
+        const int t = i / KP, c = i % KP;
+        Qs[t * LD + c] = qv[u];
+        Ks[t * LD + c] = kv[u];
+        gs[t * LD + c] = gv[u];
+      }
     }
-    Qs[t * LD + c] = qv;
-    Ks[t * LD + c] = kv;
-    float gv = 0.f;
-    if (t < L && c < K) {
-      const int64_t row = (tok0 + t) * HV + hv;
-      gv = PC ? p.g[row * K + c] : p.g[row];
-    }
-    gs[t * LD + c] = gv;
-  }
+  };
+  if (dt == kBF16)
+    stage(static_cast<const __nv_bfloat16*>(p.q), static_cast<const __nv_bfloat16*>(p.k));
+  else if (dt == kF16)
+    stage(static_cast<const __half*>(p.q), static_cast<const __half*>(p.k));
+  else
+    stage(static_cast<const float*>(p.q), static_cast<const float*>(p.k));
   for (int i = tid; i < kChunk * LDA; i += kPrepThreads) {
     Aq[i] = 0.f;
     Ak[i] = 0.f;
@@ -232,7 +255,6 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}. Threads [0, KP) run the prefix sums,
   //      threads [KP, 2 KP) the suffix sums (kPrepThreads >= 2 KP).
   static_assert(kPrepThreads >= 2 * KP, "P0a needs two threads per channel");
-  static_assert(kPrepThreads >= KP + 64, "P4 needs KP + 64 threads");
   if (tid < KP) {
     const int c = tid;
     double G = 0.0, P = 0.0;
@@ -241,8 +263,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       const float gt = gate(t, c);
       G += gt;
       P += gt;
-      Pd[t * KP + c] = PC ? P : G;  // GDN: the chunk prefix G_t (column 0 is used)
-      ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * __expf(static_cast<float>(G));
+      Pd[t * PDS + c] = PC ? P : G;  // GDN: the chunk prefix G_t (column 0 is used)
+      const float eG = __expf(static_cast<float>(G));
+      ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * eG;
+      if constexpr (PC) {
+        if (t == 0) Ea[c] = 1.f;
+        if ((t & (kSub - 1)) == kSub - 1 && t + 1 < kChunk) Ea[((t >> 4) + 1) * KP + c] = eG;
+      } else {
+        if (c == 0) Ea[t] = eG;
+      }
     }
     ws[WL::decay + c] = __expf(static_cast<float>(G));
   } else if (tid < 2 * KP) {
@@ -256,36 +285,44 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   __syncthreads();
 
   if constexpr (PC) {
-  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (warp per pair)
-  for (int pr = warp; pr < 4 * 136; pr += kPrepThreads / 32) {
+  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (thread per pair,
+  //      4 x 136 pairs, channels in the thread: no shuffles; P's stride KP + 1 doubles keeps the 16 rows j of a
+  //      warp on distinct bank pairs; the float k rows j at most 3-way)
+  for (int pr = tid; pr < 4 * 136; pr += kPrepThreads) {
     const int a = pr / 136;
     const int qq = pr - a * 136;
     int tl = 0;
     while ((tl + 1) * (tl + 2) / 2 <= qq) ++tl;
     const int jl = qq - tl * (tl + 1) / 2;
     const int t = a * kSub + tl, j = a * kSub + jl;
-    float sq = 0.f, sk = 0.f;
+    float sq0 = 0.f, sk0 = 0.f, sq1 = 0.f, sk1 = 0.f;
     if (t < L) {
-      for (int c = lane; c < KP; c += 32) {
-        const float e = __expf(static_cast<float>(Pd[t * KP + c] - Pd[j * KP + c]));
-        const float kj = Ks[j * LD + c] * e;
-        sq = fmaf(Qs[t * LD + c], kj, sq);
-        sk = fmaf(Ks[t * LD + c], kj, sk);
+      const double* Pt = Pd + t * PDS;
+      const double* Pj = Pd + j * PDS;
+      const float* qt = Qs + t * LD;
+      const float* kt = Ks + t * LD;
+      const float* kjr = Ks + j * LD;
+#pragma unroll 4
+      for (int c = 0; c < KP; c += 2) {
+        const float e0 = __expf(static_cast<float>(Pt[c] - Pj[c]));
+        const float e1 = __expf(static_cast<float>(Pt[c + 1] - Pj[c + 1]));
+        const float kj0 = kjr[c] * e0, kj1 = kjr[c + 1] * e1;
+        sq0 = fmaf(qt[c], kj0, sq0);
+        sk0 = fmaf(kt[c], kj0, sk0);
+        sq1 = fmaf(qt[c + 1], kj1, sq1);
+        sk1 = fmaf(kt[c + 1], kj1, sk1);
       }
-      sq = warp_sum_from<1>(sq);
-      sk = warp_sum_from<1>(sk);
     }
-    if (lane == 0) {
-      Aq[t * LDA + j] = sq;
-      Ak[t * LDA + j] = (j < t) ? sk : 0.f;
-    }
+    Aq[t * LDA + j] = sq0 + sq1;
+    Ak[t * LDA + j] = (j < t) ? sk0 + sk1 : 0.f;
   }
   __syncthreads();
 
   // ---- P0b: per channel: right factors R_a[j] = k_j e^{G_r - G_j} (j < 16a, r = 16a - 1; suffix sums) over
   //      P's storage, then the left factors in place (rows of sub-chunks 1..3): x_t e^{G_t - G_r}, r = the last
   //      token before t's sub-chunk (prefix sums within the sub-chunk). Thread c computes R's column c from the
-  //      raw k, then scales k's column c; thread KP + c scales q's column c.
+  //      raw k, then scales k's column c (all four sub-chunks; sub-chunk 0 is not read by P2 but P4 uses it);
+  //      thread KP + c scales q's column c.
   if (tid < KP) {
     const int c = tid;
     for (int a = 1; a < 4; ++a) {
@@ -297,7 +334,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       }
     }
     double P = 0.0;
-    for (int t = kSub; t < kChunk; ++t) {
+    for (int t = 0; t < kChunk; ++t) {  // sub-chunk 0 too: P4 forms K e^G from these rows
       if ((t & (kSub - 1)) == 0) P = 0.0;
       P += gate(t, c);
       Ks[t * LD + c] *= __expf(static_cast<float>(P));
@@ -357,7 +394,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   for (int i = tid; i < kChunk * kChunk; i += kPrepThreads) {
     const int t = i >> 6, j = i & 63;
     if constexpr (!PC) {  // scalar decay e^{G_t - G_j} (double prefix difference), causal mask
-      const float f = j <= t ? __expf(static_cast<float>(Pd[t * KP] - Pd[j * KP])) : 0.f;
+      const float f = j <= t ? __expf(static_cast<float>(Pd[t * PDS] - Pd[j * PDS])) : 0.f;
       Aq[t * LDA + j] *= f;
       Ak[t * LDA + j] *= (j < t ? f : 0.f);
     }
@@ -366,10 +403,12 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   }
   __syncthreads();
 
-  // ---- P4: M^-1 for M = I + A_kk Diag(beta) (unit lower triangular), then w = M^-1 (K e^G), u0 = M^-1 V.
-  //      (a) threads [0, KP): X = K e^G (the chunk's double prefix sums) into the P/R storage (stride LDX, conflict-
-  //          free B fragments); threads [KP, KP + 64): the four 16x16 diagonal blocks T_aa = M_aa^-1, one column
-  //          per thread (forward substitution of a unit vector, 120 FMAs), upper triangle zero; T over Aq.
+  // ---- P4: T = M^-1 for M = I + A_kk Diag(beta) (unit lower triangular), then w = T (K e^G), u0 = T V.
+  //      (a) X = K e^G into the P/R storage (stride LDX, conflict-free B fragments), elementwise from the staged
+  //          k: KDA: row t of Ks holds k_t e^{G_t - G_r} (P0b; r = 16a - 1, the token before t's sub-chunk a),
+  //          times ea[a] = e^{G_r} (two factors <= 1); GDN: raw k_t times ea[t] = e^{G_t}. Threads [0, 64)
+  //          first invert the four 16x16 diagonal blocks T_aa = M_aa^-1, one column per thread (forward
+  //          substitution of a unit vector, 120 FMAs), upper triangle zero; T over Aq.
   //      (b) for a = 1..3: Y = sum_{c=b}^{a-1} Ab_ac T_cb, then T_ab = -T_aa Y (b < a), fp32 on CUDA cores.
   //      (c) w and u0 on tensor cores: a warp owns 8 output columns (of w, then of u0) and all four row blocks;
   //          row block a needs only the k-blocks 0..a (T is lower triangular).
@@ -378,16 +417,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
     float* Xs = reinterpret_cast<float*>(smem + SM::pr);  // K e^G [64][LDX]
     float* Ts = Aq;                                       // T = M^-1 [64][LDA] (lower blocks only)
     float* Ys = Qs;                                       // Y [16][48]
-    if (tid < KP) {
-      const int c = tid;
-      double G = 0.0;
-#pragma unroll 4
-      for (int t = 0; t < kChunk; ++t) {
-        G += gate(t, c);
-        Xs[t * LDX + c] = kglob(t, c) * __expf(static_cast<float>(G));
-      }
-    } else if (tid < KP + 64) {
-      const int a = (tid - KP) >> 4, j = (tid - KP) & 15;
+    if (tid < 64) {
+      const int a = tid >> 4, j = tid & 15;
       const float* Ab = Ak + a * kSub * LDA + a * kSub;
       float x[kSub];
 #pragma unroll
@@ -400,6 +431,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       float* Td = Ts + a * kSub * LDA + a * kSub + j;
 #pragma unroll
       for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
+    }
+#pragma unroll 4
+    for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
+      const int t = i / KP, c = i % KP;
+      Xs[t * LDX + c] = Ks[t * LD + c] * (PC ? Ea[(t >> 4) * KP + c] : Ea[t]);
     }
     __syncthreads();
 #pragma unroll 1
