@@ -214,9 +214,11 @@ def emu_prep_kda(q, k, g, beta):
         ea[a] = np.exp(G[16 * a - 1].astype(f32))
     A = np.zeros((Cn, Cn), f32)
     # P1 intra
+    Phi = P.astype(f32)
+    Plo = (P - Phi.astype(np.float64)).astype(f32)
     for t in range(Cn):
         for j in range(t // 16 * 16, t):
-            e = np.exp((P[t] - P[j]).astype(f32))
+            e = np.exp((Phi[t] - Phi[j]) + (Plo[t] - Plo[j]))  # hi_lo_diff in float32
             A[t, j] = np.sum(k[t] * (k[j] * e))
     # P0b: R factors (suffix sums from r = 16a - 1) and left factors (prefix within the sub-chunk)
     ks = k.copy()
@@ -275,3 +277,28 @@ def test_prep_kda_against_float64(gate_scale):
     assert not np.isnan(T[low]).any()
     w = np.where(low, T, 0.0).astype(np.float64) @ X
     assert np.sqrt(np.mean((w - wr) ** 2)) <= 1e-5 * np.sqrt(np.mean(wr ** 2)) + 1e-30
+
+
+def test_hi_lo_prefix_difference():
+    """P0a stores the double prefix sums of a 16-token sub-chunk as (hi, lo) floats; P1 and GDN's P3 take
+    e^{(hi_t - hi_j) + (lo_t - lo_j)} in float arithmetic. Check it against the double difference for mixed,
+    huge and tiny gates (the exponent's absolute error must stay far below 1e-6 where e^d is not negligible)."""
+    rng = np.random.default_rng(3)
+    f32 = np.float32
+    worst = 0.0
+    for trial in range(200):
+        g = (-np.abs(rng.standard_normal(16)) * rng.choice([1e-6, 1e-2, 1.0, 20.0])).astype(f32)
+        g[rng.uniform(size=16) < 0.2] = f32(-1e4)
+        if trial % 3 == 0:
+            g = (rng.standard_normal(16) * 50).astype(f32)  # unbounded, positive too
+        P = np.cumsum(g.astype(np.float64))
+        hi = P.astype(f32)
+        lo = (P - hi.astype(np.float64)).astype(f32)
+        for t in range(16):
+            for j in range(t + 1):
+                d = (hi[t] - hi[j]) + (lo[t] - lo[j])  # float32 arithmetic
+                assert d.dtype == np.float32
+                ref = P[t] - P[j]
+                if ref > -80:  # below that e^d underflows in float anyway
+                    worst = max(worst, abs(float(d) - ref) / max(1.0, abs(ref)))
+    assert worst < 2e-7, worst

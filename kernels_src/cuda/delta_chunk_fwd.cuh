@@ -74,6 +74,16 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
+// A double prefix sum kept as hi + lo floats (lo = the rounding error of hi): differences of two of them in
+// float arithmetic, (a.hi - b.hi) + (a.lo - b.lo), are as good as the double difference rounded to float for the
+// exponents used here (the hi difference is exact when the two are within a factor 2 -- the cancelling case --
+// and otherwise has a relative error of one float ulp), without the 64-bit conversion (16/clk/SM) per pair.
+__device__ __forceinline__ float2 split_hi_lo(double x) {
+  const float hi = static_cast<float>(x);
+  return make_float2(hi, static_cast<float>(x - static_cast<double>(hi)));
+}
+__device__ __forceinline__ float hi_lo_diff(float2 a, float2 b) { return (a.x - b.x) + (a.y - b.y); }
+
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -165,10 +175,10 @@ struct PrepSmem {
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
   static constexpr int LDX = KP + 8;  // fp32 row stride of X = K e^G (conflict-free B-fragment reads)
-  static constexpr int PDS = KP + 1;  // double row stride of P (16 rows at one column hit 16 bank pairs)
-  // double P [64][PDS], later float R [96][LD], later float X [64][LDX]
+  static constexpr int PDS = KP + 1;  // 8-byte row stride of P (16 rows at one column hit 16 bank pairs)
+  // P [64][PDS] (hi/lo float pairs), later float R [96][LD], later float X [64][LDX]
   static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;
-  static constexpr size_t pr_bytes = cmax(cmax(sizeof(double) * kChunk * PDS, sizeof(float) * 96 * LD),
+  static constexpr size_t pr_bytes = cmax(cmax(sizeof(float2) * kChunk * PDS, sizeof(float) * 96 * LD),
                                           sizeof(float) * kChunk * LDX);
   static constexpr size_t aq = pr + pr_bytes;
   static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
@@ -186,7 +196,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   extern __shared__ __align__(16) unsigned char smem[];
   float* Qs = reinterpret_cast<float*>(smem + SM::qs);
   float* Ks = reinterpret_cast<float*>(smem + SM::ks);
-  double* Pd = reinterpret_cast<double*>(smem + SM::pr);
+  float2* Pd = reinterpret_cast<float2*>(smem + SM::pr);  // double prefix sums as hi + lo floats
   float* Rs = reinterpret_cast<float*>(smem + SM::pr);
   float* Aq = reinterpret_cast<float*>(smem + SM::aq);
   float* Ak = reinterpret_cast<float*>(smem + SM::ak);
@@ -263,7 +273,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       const float gt = gate(t, c);
       G += gt;
       P += gt;
-      Pd[t * PDS + c] = PC ? P : G;  // GDN: the chunk prefix G_t (column 0 is used)
+      Pd[t * PDS + c] = split_hi_lo(PC ? P : G);  // GDN: the chunk prefix G_t (column 0 is used)
       const float eG = __expf(static_cast<float>(G));
       ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * eG;
       if constexpr (PC) {
@@ -297,15 +307,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
     const int t = a * kSub + tl, j = a * kSub + jl;
     float sq0 = 0.f, sk0 = 0.f, sq1 = 0.f, sk1 = 0.f;
     if (t < L) {
-      const double* Pt = Pd + t * PDS;
-      const double* Pj = Pd + j * PDS;
+      const float2* Pt = Pd + t * PDS;
+      const float2* Pj = Pd + j * PDS;
       const float* qt = Qs + t * LD;
       const float* kt = Ks + t * LD;
       const float* kjr = Ks + j * LD;
 #pragma unroll 4
       for (int c = 0; c < KP; c += 2) {
-        const float e0 = __expf(static_cast<float>(Pt[c] - Pj[c]));
-        const float e1 = __expf(static_cast<float>(Pt[c + 1] - Pj[c + 1]));
+        const float e0 = __expf(hi_lo_diff(Pt[c], Pj[c]));
+        const float e1 = __expf(hi_lo_diff(Pt[c + 1], Pj[c + 1]));
         const float kj0 = kjr[c] * e0, kj1 = kjr[c + 1] * e1;
         sq0 = fmaf(qt[c], kj0, sq0);
         sk0 = fmaf(kt[c], kj0, sk0);
@@ -394,7 +404,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   for (int i = tid; i < kChunk * kChunk; i += kPrepThreads) {
     const int t = i >> 6, j = i & 63;
     if constexpr (!PC) {  // scalar decay e^{G_t - G_j} (double prefix difference), causal mask
-      const float f = j <= t ? __expf(static_cast<float>(Pd[t * PDS] - Pd[j * PDS])) : 0.f;
+      const float f = j <= t ? __expf(hi_lo_diff(Pd[t * PDS], Pd[j * PDS])) : 0.f;
       Aq[t * LDA + j] *= f;
       Ak[t * LDA + j] *= (j < t ? f : 0.f);
     }
