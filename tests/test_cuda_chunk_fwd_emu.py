@@ -161,41 +161,97 @@ def test_frag_index_bijective():
         assert idx == set(range(C * KD))
 
 
-def test_pair_decode_covers_each_pair_once():
-    """P1: pair index pr in [0, 4 * 136) -> (t, j), j <= t, both in sub-chunk a = pr / 136."""
-    seen = set()
-    for pr in range(4 * 136):
-        a, qq = divmod(pr, 136)
-        tl = 0
-        while (tl + 1) * (tl + 2) // 2 <= qq:
-            tl += 1
-        jl = qq - tl * (tl + 1) // 2
-        assert 0 <= jl <= tl < 16
-        seen.add((a * 16 + tl, a * 16 + jl))
-    assert seen == {(t, j) for t in range(64) for j in range(64) if j <= t and t // 16 == j // 16}
+def emu_p1(Q, K, Phi, Plo, KP):
+    """Phase P1, thread by thread: thread = (a, rp, cg); rows t1 = 16a + rp, t2 = 16a + 15 - rp; channel pairs
+    c = 2 (8 ci + cg) + {0, 1}; partial sums per thread, then the xor-butterfly over cg (lane bits 0..2); lane cg
+    writes the j with j % 8 == cg. Returns Aq, Ak (float32, only the diagonal 16x16 blocks written) and the set of
+    written (t, j)."""
+    f32 = np.float32
+    Aq = np.zeros((C, C), f32)
+    Ak = np.zeros((C, C), f32)
+    part = {}
+    for tid in range(THREADS):
+        cg, rp, a = tid & 7, (tid >> 3) & 7, tid >> 6
+        j0 = a * 16
+        t1, t2 = j0 + rp, j0 + 15 - rp
+        q1 = np.zeros(8, f32); k1 = np.zeros(8, f32); q2 = np.zeros(16, f32); k2 = np.zeros(16, f32)
+        for ci in range(KP // 16):
+            c = 2 * (ci * 8 + cg)
+            cc = np.array([c, c + 1])
+            for jl in range(16):
+                j = j0 + jl
+                if jl < 8 and jl <= rp:
+                    x = K[j, cc] * np.exp((Phi[t1, cc] - Phi[j, cc]) + (Plo[t1, cc] - Plo[j, cc]))
+                    q1[jl] += np.sum(Q[t1, cc] * x); k1[jl] += np.sum(K[t1, cc] * x)
+                if jl <= 15 - rp:
+                    x = K[j, cc] * np.exp((Phi[t2, cc] - Phi[j, cc]) + (Plo[t2, cc] - Plo[j, cc]))
+                    q2[jl] += np.sum(Q[t2, cc] * x); k2[jl] += np.sum(K[t2, cc] * x)
+        part[tid] = (q1, k1, q2, k2)
+    written = []
+    for tid in range(THREADS):
+        cg, rp, a = tid & 7, (tid >> 3) & 7, tid >> 6
+        lane, warp = tid & 31, tid >> 5
+        group = [warp * 32 + (lane & ~7) + m for m in range(8)]  # lanes differing in bits 0..2
+        q1, k1, q2, k2 = (sum(part[u][i] for u in group) for i in range(4))
+        j0 = a * 16
+        t1, t2 = j0 + rp, j0 + 15 - rp
+        for jl in range(16):
+            if (jl & 7) != cg:
+                continue
+            if jl < 8 and jl <= rp:
+                Aq[t1, j0 + jl] = q1[jl]; Ak[t1, j0 + jl] = k1[jl] if jl < rp else 0
+                written.append((t1, j0 + jl))
+            if jl <= 15 - rp:
+                Aq[t2, j0 + jl] = q2[jl]; Ak[t2, j0 + jl] = k2[jl] if jl < 15 - rp else 0
+                written.append((t2, j0 + jl))
+    return Aq, Ak, written
 
 
-def test_pair_bank_pattern():
-    """P1: per warp, the 16-row window of P rows j read at one column hits distinct 8-byte bank pairs (stride
-    KP + 1 doubles), and the k rows at most 3-way (stride KP + 4 floats)."""
+def test_p1_mapping_covers_each_pair_once():
+    rng = np.random.default_rng(11)
+    KP = 64
+    Q = rng.standard_normal((C, KP)).astype(np.float32)
+    K = rng.standard_normal((C, KP)).astype(np.float32)
+    g = -np.abs(rng.standard_normal((C, KP))).astype(np.float32)
+    P = np.zeros((C, KP))
+    for a in range(4):
+        P[a * 16:(a + 1) * 16] = np.cumsum(g[a * 16:(a + 1) * 16].astype(np.float64), axis=0)
+    Phi = P.astype(np.float32)
+    Plo = (P - Phi).astype(np.float32)
+    Aq, Ak, written = emu_p1(Q, K, Phi, Plo, KP)
+    assert len(written) == len(set(written)) == 4 * 136
+    assert set(written) == {(t, j) for t in range(C) for j in range(C) if j <= t and t // 16 == j // 16}
+    Aqr = np.zeros((C, C)); Akr = np.zeros((C, C))
+    for t in range(C):
+        for j in range(t // 16 * 16, t + 1):
+            e = np.exp(P[t] - P[j])
+            Aqr[t, j] = np.sum(Q[t] * K[j] * e)
+            Akr[t, j] = np.sum(K[t] * K[j] * e) if j < t else 0
+    np.testing.assert_allclose(Aq, Aqr, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(Ak, Akr, atol=1e-4, rtol=1e-4)
+
+
+def test_p1_shared_memory_pattern():
+    """P1 loads: per warp and channel pair, the j row is the same for every lane (broadcast) and the 8 channel
+    groups read 8 consecutive 16-byte P pairs (all 32 banks once: one wavefront) and 8-byte k pairs; every vector access is
+    aligned (PDS = KP + 2 even, LD = KP + 4 even, c even)."""
     for KP in (64, 128):
-        for w in range(4 * 136 // 32):  # 544 = 17 full warps
-            js = []
-            for pr in range(32 * w, min(32 * w + 32, 4 * 136)):
-                a, qq = divmod(pr, 136)
-                tl = 0
-                while (tl + 1) * (tl + 2) // 2 <= qq:
-                    tl += 1
-                js.append(a * 16 + qq - tl * (tl + 1) // 2)
-            for half in (js[:16], js[16:]):  # 64-bit loads: two half-warp passes
-                banks = {}
-                for j in set(half):
-                    banks.setdefault((2 * j * (KP + 1)) % 32, set()).add(j)
-                assert max(len(v) for v in banks.values()) == 1
-            fb = {}
-            for j in set(js):
-                fb.setdefault((j * (KP + 4)) % 32, set()).add(j)
-            assert max(len(v) for v in fb.values()) <= 3  # a warp can straddle two sub-chunks
+        PDS, LD = KP + 2, KP + 4
+        pr_off = 2 * 4 * C * LD  # P after Qs and Ks in shared memory (bytes)
+        for warp in range(8):
+            for ci in range(KP // 16):
+                addrs = set()
+                for lane in range(32):
+                    tid = warp * 32 + lane
+                    cg, a = tid & 7, tid >> 6
+                    c = 2 * (ci * 8 + cg)
+                    for jl in range(16):
+                        off = pr_off + 8 * ((a * 16 + jl) * PDS + c)
+                        assert off % 16 == 0
+                        assert (4 * ((a * 16 + jl) * LD + c)) % 8 == 0
+                    addrs.add(pr_off + 8 * ((a * 16 + 5) * PDS + c))
+                banks = sorted((ad // 4 + w) % 32 for ad in addrs for w in range(4))
+                assert len(addrs) == 8 and banks == list(range(32))  # 8 x 16 B on all 32 banks, once
 
 
 def emu_prep_kda(q, k, g, beta):

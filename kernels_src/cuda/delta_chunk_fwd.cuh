@@ -175,7 +175,7 @@ struct PrepSmem {
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
   static constexpr int LDX = KP + 8;  // fp32 row stride of X = K e^G (conflict-free B-fragment reads)
-  static constexpr int PDS = KP + 1;  // 8-byte row stride of P (16 rows at one column hit 16 bank pairs)
+  static constexpr int PDS = KP + 2;  // 8-byte row stride of P (even: 16-byte aligned channel pairs)
   // P [64][PDS] (hi/lo float pairs), later float R [96][LD], later float X [64][LDX]
   static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;
   static constexpr size_t pr_bytes = cmax(cmax(sizeof(float2) * kChunk * PDS, sizeof(float) * 96 * LD),
@@ -265,6 +265,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}. Threads [0, KP) run the prefix sums,
   //      threads [KP, 2 KP) the suffix sums (kPrepThreads >= 2 KP).
   static_assert(kPrepThreads >= 2 * KP, "P0a needs two threads per channel");
+  static_assert(kPrepThreads == 256, "P1 maps 4 sub-chunks x 8 row pairs x 8 channel groups onto the threads");
   if (tid < KP) {
     const int c = tid;
     double G = 0.0, P = 0.0;
@@ -295,36 +296,70 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   __syncthreads();
 
   if constexpr (PC) {
-  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (thread per pair,
-  //      4 x 136 pairs, channels in the thread: no shuffles; P's stride KP + 1 doubles keeps the 16 rows j of a
-  //      warp on distinct bank pairs; the float k rows j at most 3-way)
-  for (int pr = tid; pr < 4 * 136; pr += kPrepThreads) {
-    const int a = pr / 136;
-    const int qq = pr - a * 136;
-    int tl = 0;
-    while ((tl + 1) * (tl + 2) / 2 <= qq) ++tl;
-    const int jl = qq - tl * (tl + 1) / 2;
-    const int t = a * kSub + tl, j = a * kSub + jl;
-    float sq0 = 0.f, sk0 = 0.f, sq1 = 0.f, sk1 = 0.f;
-    if (t < L) {
-      const float2* Pt = Pd + t * PDS;
-      const float2* Pj = Pd + j * PDS;
-      const float* qt = Qs + t * LD;
-      const float* kt = Ks + t * LD;
-      const float* kjr = Ks + j * LD;
-#pragma unroll 4
-      for (int c = 0; c < KP; c += 2) {
-        const float e0 = __expf(hi_lo_diff(Pt[c], Pj[c]));
-        const float e1 = __expf(hi_lo_diff(Pt[c + 1], Pj[c + 1]));
-        const float kj0 = kjr[c] * e0, kj1 = kjr[c + 1] * e1;
-        sq0 = fmaf(qt[c], kj0, sq0);
-        sk0 = fmaf(kt[c], kj0, sk0);
-        sq1 = fmaf(qt[c + 1], kj1, sq1);
-        sk1 = fmaf(kt[c + 1], kj1, sk1);
+  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores. Thread = (sub-chunk
+  //      a, row pair rp, channel group cg): rows t1 = 16a + rp (pairs j <= t1) and t2 = 16a + 15 - rp (pairs
+  //      j <= t2), 17 pairs in all, over the channel pairs c = 2 (8 ci + cg) + {0, 1}. The 16 j rows are read
+  //      once per channel pair by the whole warp (the four row pairs of a warp share j: broadcast; 8 channel
+  //      groups x 16 B = one 128 B wavefront), then the 8 channel groups (lane bits 0..2) are summed by xor
+  //      shuffles.
+  {
+    constexpr int NCI = KP / 16;
+    const int cg = tid & 7, rp = (tid >> 3) & 7, a = tid >> 6;
+    const int j0 = a * kSub, t1 = j0 + rp, t2 = j0 + kSub - 1 - rp;
+    float q1[8], k1[8], q2[kSub], k2[kSub];
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if (jl < 8) q1[jl] = k1[jl] = 0.f;
+      q2[jl] = k2[jl] = 0.f;
+    }
+#pragma unroll 1
+    for (int ci = 0; ci < NCI; ++ci) {
+      const int c = 2 * (ci * 8 + cg);
+      const float4 P1 = *reinterpret_cast<const float4*>(Pd + t1 * PDS + c);  // hi0, lo0, hi1, lo1
+      const float4 P2 = *reinterpret_cast<const float4*>(Pd + t2 * PDS + c);
+      const float2 qa = *reinterpret_cast<const float2*>(Qs + t1 * LD + c);
+      const float2 ka = *reinterpret_cast<const float2*>(Ks + t1 * LD + c);
+      const float2 qb = *reinterpret_cast<const float2*>(Qs + t2 * LD + c);
+      const float2 kb = *reinterpret_cast<const float2*>(Ks + t2 * LD + c);
+#pragma unroll
+      for (int jl = 0; jl < kSub; ++jl) {
+        const float4 Pj = *reinterpret_cast<const float4*>(Pd + (j0 + jl) * PDS + c);
+        const float2 kj = *reinterpret_cast<const float2*>(Ks + (j0 + jl) * LD + c);
+        if (jl < 8 && jl <= rp) {
+          const float x0 = kj.x * __expf((P1.x - Pj.x) + (P1.y - Pj.y));
+          const float x1 = kj.y * __expf((P1.z - Pj.z) + (P1.w - Pj.w));
+          q1[jl] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl]));
+          k1[jl] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl]));
+        }
+        if (jl <= kSub - 1 - rp) {
+          const float x0 = kj.x * __expf((P2.x - Pj.x) + (P2.y - Pj.y));
+          const float x1 = kj.y * __expf((P2.z - Pj.z) + (P2.w - Pj.w));
+          q2[jl] = fmaf(qb.y, x1, fmaf(qb.x, x0, q2[jl]));
+          k2[jl] = fmaf(kb.y, x1, fmaf(kb.x, x0, k2[jl]));
+        }
       }
     }
-    Aq[t * LDA + j] = sq0 + sq1;
-    Ak[t * LDA + j] = (j < t) ? sk0 + sk1 : 0.f;
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if (jl < 8) {
+        q1[jl] = warp_sum_below<8>(q1[jl]);
+        k1[jl] = warp_sum_below<8>(k1[jl]);
+      }
+      q2[jl] = warp_sum_below<8>(q2[jl]);
+      k2[jl] = warp_sum_below<8>(k2[jl]);
+    }
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if ((jl & 7) != cg) continue;
+      if (jl < 8 && jl <= rp) {
+        Aq[t1 * LDA + j0 + jl] = q1[jl];
+        Ak[t1 * LDA + j0 + jl] = jl < rp ? k1[jl] : 0.f;
+      }
+      if (jl <= kSub - 1 - rp) {
+        Aq[t2 * LDA + j0 + jl] = q2[jl];
+        Ak[t2 * LDA + j0 + jl] = jl < kSub - 1 - rp ? k2[jl] : 0.f;
+      }
+    }
   }
   __syncthreads();
 
