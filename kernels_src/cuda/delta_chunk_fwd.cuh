@@ -217,10 +217,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
 
   auto gate = [&](int t, int c) -> float { return gs[t * LD + c]; };
 
-  // ---- P0: q, k, g (zero padded), beta; clear A. Typed loads, 8 elements of each in flight per thread before
+  // ---- P0: q, k, g (zero padded), beta; clear A. Typed loads, 16 elements of each in flight per thread before
   //      any shared store (the stores would otherwise order the generic loads one element at a time).
   auto stage = [&](const auto* qp, const auto* kp) {
-    constexpr int kPer = kChunk * KP / kPrepThreads, kBatch = 8;
+    constexpr int kPer = kChunk * KP / kPrepThreads, kBatch = 16;
     static_assert(kPer % kBatch == 0, "P0 batches");
 #pragma unroll 1
     for (int i0 = 0; i0 < kPer; i0 += kBatch) {
