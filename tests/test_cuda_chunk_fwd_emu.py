@@ -358,3 +358,37 @@ def test_hi_lo_prefix_difference():
                 if ref > -80:  # below that e^d underflows in float anyway
                     worst = max(worst, abs(float(d) - ref) / max(1.0, abs(ref)))
     assert worst < 2e-7, worst
+
+
+def test_x_gdn_and_ea_indexing():
+    """P4a's X = K e^G: GDN uses ea[t] = e^{G_t} (written by channel 0 in P0a); KDA ea[a * KP + c] = e^{G_{16a-1}}
+    written at t = 15, 31, 47 (ea[0] = 1). Replays P0a's writes into a flat ea array and P4a's reads."""
+    rng = np.random.default_rng(5)
+    KP = 64
+    k = rng.standard_normal((C, KP)).astype(np.float32)
+    for pc in (True, False):
+        g = -np.abs(rng.standard_normal((C, KP) if pc else (C, 1))).astype(np.float32)
+        g = np.broadcast_to(g, (C, KP)) if not pc else g
+        ea = np.full(4 * KP, np.nan, np.float32)
+        for c in range(KP):  # P0a, thread c
+            G = 0.0
+            for t in range(C):
+                G += float(g[t, c])
+                eG = np.float32(np.exp(np.float32(G)))
+                if pc:
+                    if t == 0:
+                        ea[c] = 1
+                    if t % 16 == 15 and t + 1 < C:
+                        ea[((t >> 4) + 1) * KP + c] = eG
+                elif c == 0:
+                    ea[t] = eG
+        Gc = np.cumsum(g.astype(np.float64), axis=0)
+        P = np.zeros_like(Gc)
+        for a in range(4):
+            P[a * 16:(a + 1) * 16] = np.cumsum(g[a * 16:(a + 1) * 16].astype(np.float64), axis=0)
+        ks = k * np.exp(P).astype(np.float32) if pc else k  # P0b scales KDA's k (all sub-chunks)
+        X = np.empty((C, KP), np.float32)
+        for i in range(C * KP):
+            t, c = divmod(i, KP)
+            X[t, c] = ks[t, c] * (ea[(t >> 4) * KP + c] if pc else ea[t])
+        np.testing.assert_allclose(X, k * np.exp(Gc), rtol=1e-5, atol=1e-7)
