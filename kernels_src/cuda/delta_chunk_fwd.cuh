@@ -11,7 +11,8 @@
 // of the gates between the two tokens (no cancellation whatever the gate's size).
 //
 // Kernel 1 (delta_chunk_prep_kernel), one block per (chunk, value head): everything that does not depend on the
-// carried state, written to an fp32 workspace in mma fragment order (one float4 per lane per 16x8 tile).
+// carried state, written to a workspace in mma fragment order (one float4 per lane per 16x8 tile; q~, k~^T and A~
+// as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
 #pragma once
@@ -41,24 +42,48 @@ struct ChunkFwdParams {
   int in_dtype;
   int B, T, H, HV, K, V, N;
   int nc_per_seq;  // fixed length: chunks per sequence
+  int ws_bf16;     // qg, kgT, aqk stored as bf16 (WsLayout)
   float scale;
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
 };
 
-// Workspace slice of one (chunk, head): w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64] (fragment order),
-// decay [KP], u0 [64 x V] (row-major).
+// Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
+// (fragment order), decay [KP], u0 [64 x V] (row-major). half (ws_bf16: bf16/fp16 inputs unless
+// KDA_CUDA_CHUNK_WS_BF16=0): qg, kgT and aqk are stored as bf16 (same element index, half the bytes: one uint2 per
+// lane per tile); w, u0 (they meet in U = u0 - w h, which can cancel) and decay stay fp32. Every section starts
+// on a multiple of 64 floats.
 template <int KP>
 struct WsLayout {
-  static constexpr int64_t w = 0;
-  static constexpr int64_t qg = w + kChunk * KP;
-  static constexpr int64_t kg = qg + kChunk * KP;
-  static constexpr int64_t aqk = kg + kChunk * KP;
-  static constexpr int64_t decay = aqk + kChunk * kChunk;
-  static constexpr int64_t u = decay + KP;
-  static int64_t floats(int V) { return u + static_cast<int64_t>(kChunk) * V; }
+  int64_t w, qg, kg, aqk, decay, u;
+  __host__ __device__ explicit WsLayout(bool half) {
+    const int d = half ? 2 : 1;
+    w = 0;
+    qg = w + kChunk * KP;
+    kg = qg + kChunk * KP / d;
+    aqk = kg + kChunk * KP / d;
+    decay = aqk + kChunk * kChunk / d;
+    u = decay + KP;
+  }
+  int64_t floats(int V) const { return u + static_cast<int64_t>(kChunk) * V; }
 };
+
+// Store one element of a workspace section that is bf16 when half (element index i, as in fp32).
+__device__ __forceinline__ void ws_put(float* sec, int i, bool half, float x) {
+  if (half) reinterpret_cast<__nv_bfloat16*>(sec)[i] = __float2bfloat16_rn(x);
+  else sec[i] = x;
+}
+
+// Load the A fragment (a0, a1, a2, a3) of tile-lane i of a section written in frag_index order.
+__device__ __forceinline__ float4 ws_frag(const float* sec, int i, bool half) {
+  if (half) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(sec) + i);  // bf16 slots 0, 1 | 2, 3 (little endian)
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+  }
+  return __ldg(reinterpret_cast<const float4*>(sec) + i);
+}
 
 // Index of element (r, c) of a row-major [R x KD] A operand stored as m16n8k8 fragments: tile (r/16, c/8) is
 // 32 lanes x float4 {a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)}, g = lane / 4, t = lane % 4.
@@ -213,7 +238,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   const int K = p.K, V = p.V, HV = p.HV, dt = p.in_dtype;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
-  using WL = WsLayout<KP>;
+  const bool half = p.ws_bf16 != 0;
+  const WsLayout<KP> WL(half);
 
   auto gate = [&](int t, int c) -> float { return gs[t * LD + c]; };
 
@@ -276,7 +302,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       P += gt;
       Pd[t * PDS + c] = split_hi_lo(PC ? P : G);  // GDN: the chunk prefix G_t (column 0 is used)
       const float eG = __expf(static_cast<float>(G));
-      ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * eG;
+      ws_put(ws + WL.qg, frag_index<KP>(t, c), half, p.scale * Qs[t * LD + c] * eG);
       if constexpr (PC) {
         if (t == 0) Ea[c] = 1.f;
         if ((t & (kSub - 1)) == kSub - 1 && t + 1 < kChunk) Ea[((t >> 4) + 1) * KP + c] = eG;
@@ -284,12 +310,12 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
         if (c == 0) Ea[t] = eG;
       }
     }
-    ws[WL::decay + c] = __expf(static_cast<float>(G));
+    ws[WL.decay + c] = __expf(static_cast<float>(G));
   } else if (tid < 2 * KP) {
     const int c = tid - KP;
     double S = 0.0;
     for (int t = kChunk - 1; t >= 0; --t) {
-      ws[WL::kg + frag_index<kChunk>(c, t)] = bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S));
+      ws_put(ws + WL.kg, frag_index<kChunk>(c, t), half, bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S)));
       S += gate(t, c);
     }
   }
@@ -443,7 +469,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       Aq[t * LDA + j] *= f;
       Ak[t * LDA + j] *= (j < t ? f : 0.f);
     }
-    ws[WL::aqk + frag_index<kChunk>(t, j)] = p.scale * Aq[t * LDA + j] * bs[j];
+    ws_put(ws + WL.aqk, frag_index<kChunk>(t, j), half, p.scale * Aq[t * LDA + j] * bs[j]);
     Ak[t * LDA + j] *= bs[j];
   }
   __syncthreads();
@@ -547,8 +573,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = a * kSub + gq + (e >> 1) * 8, c = n0 + 2 * t4 + (e & 1);
-          if (isw) ws[WL::w + frag_index<KP>(r, c)] = acc[a][e];
-          else if (c < V) ws[WL::u + static_cast<int64_t>(r) * V + c] = acc[a][e];
+          if (isw) ws[WL.w + frag_index<KP>(r, c)] = acc[a][e];
+          else if (c < V) ws[WL.u + static_cast<int64_t>(r) * V + c] = acc[a][e];
         }
     }
   }
@@ -556,12 +582,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
 
 // Scan: block = (sequence, value head, BV columns); 4 warps. Warp wi owns rows 16wi..16wi+15 of U and o, and
 // rows [wi * KP/4, (wi+1) * KP/4) of h.
-template <int KP, int BV, bool PRECISE>
+// HALF: the workspace's q~, k~^T, A~ are bf16 (p.ws_bf16; a template parameter here so that only one load path
+// is compiled into the register-tight scan).
+template <int KP, int BV, bool PRECISE, bool HALF>
 __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const ChunkFwdParams p) {
   constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
   constexpr int NT = BV / 8;
   constexpr int MT = KP / 64;  // 16-row tiles of h per warp
-  using WL = WsLayout<KP>;
+  constexpr bool half = HALF;
+  const WsLayout<KP> WL(half);
   __shared__ __align__(16) float hs[KP * LDH];
   __shared__ __align__(16) float Us[kChunk * LDH];
 
@@ -607,7 +636,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
   float u0r[NT][4];
   auto load_w = [&](int ci) {
     const float* ws = chunk_ws(ci);
-    const float4* wf = reinterpret_cast<const float4*>(ws + WL::w) + wi * (KP / 8) * 32 + lane;
+    const float4* wf = reinterpret_cast<const float4*>(ws + WL.w) + wi * (KP / 8) * 32 + lane;
 #pragma unroll
     for (int ks = 0; ks < KP / 8; ++ks) wa[ks] = __ldg(wf + ks * 32);
 #pragma unroll
@@ -616,7 +645,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       for (int e = 0; e < 4; ++e) {
         const int r = wi * 16 + gq + (e >> 1) * 8;
         const int cl = nt * 8 + 2 * t4 + (e & 1);
-        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL::u + r * V + v0 + cl) : 0.f;
+        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL.u + r * V + v0 + cl) : 0.f;
       }
   };
   if (nch > 0) load_w(0);
@@ -624,20 +653,20 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
   for (int ci = 0; ci < nch; ++ci) {
     const float* ws = chunk_ws(ci);
     const int L = min(kChunk, len - ci * kChunk);
-    const float4* qf = reinterpret_cast<const float4*>(ws + WL::qg) + wi * (KP / 8) * 32 + lane;
-    const float4* af = reinterpret_cast<const float4*>(ws + WL::aqk) + wi * (kChunk / 8) * 32 + lane;
-    const float4* kf = reinterpret_cast<const float4*>(ws + WL::kg) + wi * MT * (kChunk / 8) * 32 + lane;
+    const int qi = wi * (KP / 8) * 32 + lane;             // tile-lane indices of this warp's fragments
+    const int ai = wi * (kChunk / 8) * 32 + lane;
+    const int ki = wi * MT * (kChunk / 8) * 32 + lane;
     float4 qa[KP / 8], aa[kChunk / 8];
 #pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks) qa[ks] = __ldg(qf + ks * 32);
+    for (int ks = 0; ks < KP / 8; ++ks) qa[ks] = ws_frag(ws + WL.qg, qi + ks * 32, half);
 #pragma unroll
     for (int ks = 0; ks < kChunk / 8; ++ks)
-      aa[ks] = ks < 2 * wi + 2 ? __ldg(af + ks * 32) : make_float4(0.f, 0.f, 0.f, 0.f);
+      aa[ks] = ks < 2 * wi + 2 ? ws_frag(ws + WL.aqk, ai + ks * 32, half) : make_float4(0.f, 0.f, 0.f, 0.f);
     float dec[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      dec[mt][0] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq);
-      dec[mt][1] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq + 8);
+      dec[mt][0] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq);
+      dec[mt][1] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq + 8);
     }
 
     // U = u0 - w h
@@ -660,7 +689,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
     float4 ka[MT * (kChunk / 8)];
 #pragma unroll
-    for (int i = 0; i < MT * (kChunk / 8); ++i) ka[i] = __ldg(kf + i * 32);
+    for (int i = 0; i < MT * (kChunk / 8); ++i) ka[i] = ws_frag(ws + WL.kg, ki + i * 32, half);
     __syncthreads();
 
     // o = qg h + aqk U
