@@ -5,7 +5,8 @@ for bf16/fp16 inputs, <= 1e-5 for fp32 inputs.
 Needs a CUDA GPU (skipped with the reason otherwise). Covers random and correlated keys, gates
 logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a multiple of the chunk (1, 63, 65,
 200), batches, varlen with empty sequences, GVA, initial state, K=V=128, K=V=64, odd K/V (40/30, padded to the
-64-wide path), V spanning several column tiles, fp32/bf16/fp16, and replay under a CUDA graph.
+64-wide path), V spanning several column tiles, fp32/bf16/fp16, T=2048, the fp32 workspace for bf16 inputs
+(KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph.
 """
 import importlib.util
 import subprocess
@@ -70,6 +71,7 @@ CASES = {
     "T63": dict(T=63),
     "T65": dict(T=65),
     "T200": dict(B=1, T=200),
+    "T2048": dict(B=1, T=2048, H=1, HV=2),  # 32 chunks: the bf16 workspace's rounding accumulates
     "correlated_keys": dict(keys="correlated", T=130),
     "gate_div_0.1": dict(gate_div=0.1, T=100),
     "gate_div_10": dict(gate_div=10.0, T=100),
@@ -110,6 +112,14 @@ def test_chunk_fwd(family, case, dtype):
     if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_kv"):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
     run_case(family, case, dtype, h0_on=case not in ("T1", "T63"))
+
+
+@pytest.mark.parametrize("case", ["T200", "extreme_gates", "varlen", "odd_kv"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_fp32_workspace(family, case, monkeypatch):
+    """bf16/fp16 inputs with KDA_CUDA_CHUNK_WS_BF16=0 (fp32 q~, k~^T, A~ in the workspace, the other scan path)."""
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "0")
+    run_case(family, case, torch.bfloat16, h0_on=True)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])

@@ -11,7 +11,8 @@
 // of the gates between the two tokens (no cancellation whatever the gate's size).
 //
 // Kernel 1 (delta_chunk_prep_kernel), one block per (chunk, value head): everything that does not depend on the
-// carried state, written to an fp32 workspace in mma fragment order (one float4 per lane per 16x8 tile).
+// carried state, written to a workspace in mma fragment order (one float4 per lane per 16x8 tile; q~, k~^T and A~
+// as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
 #pragma once
@@ -41,24 +42,48 @@ struct ChunkFwdParams {
   int in_dtype;
   int B, T, H, HV, K, V, N;
   int nc_per_seq;  // fixed length: chunks per sequence
+  int ws_bf16;     // qg, kgT, aqk stored as bf16 (WsLayout)
   float scale;
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
 };
 
-// Workspace slice of one (chunk, head): w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64] (fragment order),
-// decay [KP], u0 [64 x V] (row-major).
+// Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
+// (fragment order), decay [KP], u0 [64 x V] (row-major). half (ws_bf16: bf16/fp16 inputs unless
+// KDA_CUDA_CHUNK_WS_BF16=0): qg, kgT and aqk are stored as bf16 (same element index, half the bytes: one uint2 per
+// lane per tile); w, u0 (they meet in U = u0 - w h, which can cancel) and decay stay fp32. Every section starts
+// on a multiple of 64 floats.
 template <int KP>
 struct WsLayout {
-  static constexpr int64_t w = 0;
-  static constexpr int64_t qg = w + kChunk * KP;
-  static constexpr int64_t kg = qg + kChunk * KP;
-  static constexpr int64_t aqk = kg + kChunk * KP;
-  static constexpr int64_t decay = aqk + kChunk * kChunk;
-  static constexpr int64_t u = decay + KP;
-  static int64_t floats(int V) { return u + static_cast<int64_t>(kChunk) * V; }
+  int64_t w, qg, kg, aqk, decay, u;
+  __host__ __device__ explicit WsLayout(bool half) {
+    const int d = half ? 2 : 1;
+    w = 0;
+    qg = w + kChunk * KP;
+    kg = qg + kChunk * KP / d;
+    aqk = kg + kChunk * KP / d;
+    decay = aqk + kChunk * kChunk / d;
+    u = decay + KP;
+  }
+  int64_t floats(int V) const { return u + static_cast<int64_t>(kChunk) * V; }
 };
+
+// Store one element of a workspace section that is bf16 when half (element index i, as in fp32).
+__device__ __forceinline__ void ws_put(float* sec, int i, bool half, float x) {
+  if (half) reinterpret_cast<__nv_bfloat16*>(sec)[i] = __float2bfloat16_rn(x);
+  else sec[i] = x;
+}
+
+// Load the A fragment (a0, a1, a2, a3) of tile-lane i of a section written in frag_index order.
+__device__ __forceinline__ float4 ws_frag(const float* sec, int i, bool half) {
+  if (half) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(sec) + i);  // bf16 slots 0, 1 | 2, 3 (little endian)
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+  }
+  return __ldg(reinterpret_cast<const float4*>(sec) + i);
+}
 
 // Index of element (r, c) of a row-major [R x KD] A operand stored as m16n8k8 fragments: tile (r/16, c/8) is
 // 32 lanes x float4 {a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)}, g = lane / 4, t = lane % 4.
@@ -69,6 +94,20 @@ __device__ __forceinline__ int frag_index(int r, int c) {
   const int slot = (rr >> 3) | ((cc >> 2) << 1);
   return ((((r >> 4) * (KD / 8) + (c >> 3)) << 5) + lane) * 4 + slot;
 }
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+// A double prefix sum kept as hi + lo floats (lo = the rounding error of hi): differences of two of them in
+// float arithmetic, (a.hi - b.hi) + (a.lo - b.lo), are as good as the double difference rounded to float for the
+// exponents used here (the hi difference is exact when the two are within a factor 2 -- the cancelling case --
+// and otherwise has a relative error of one float ulp), without the 64-bit conversion (16/clk/SM) per pair.
+__device__ __forceinline__ float2 split_hi_lo(double x) {
+  const float hi = static_cast<float>(x);
+  return make_float2(hi, static_cast<float>(x - static_cast<double>(hi)));
+}
+__device__ __forceinline__ float hi_lo_diff(float2 a, float2 b) { return (a.x - b.x) + (a.y - b.y); }
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
@@ -152,21 +191,27 @@ static __global__ void __launch_bounds__(1024) delta_chunk_map_kernel(const int6
   for (int i = total + tid; i < max_chunks; i += 1024) seq[i] = -1;
 }
 
+constexpr size_t cmax(size_t a, size_t b) { return a > b ? a : b; }
+
 template <int KP>
 struct PrepSmem {
   static constexpr int LD = KP + 4;  // fp32 row stride of q/k/R tiles (conflict-free fragment reads)
   static constexpr int LDA = kChunk + 4;
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + sizeof(float) * kChunk * LD;
-  static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;  // double P [64][KP], later float R [96][LD]
-  static constexpr size_t pr_bytes = (sizeof(double) * kChunk * KP > sizeof(float) * 96 * LD)
-                                         ? sizeof(double) * kChunk * KP
-                                         : sizeof(float) * 96 * LD;
+  static constexpr int LDX = KP + 8;  // fp32 row stride of X = K e^G (conflict-free B-fragment reads)
+  static constexpr int PDS = KP + 2;  // 8-byte row stride of P (even: 16-byte aligned channel pairs)
+  // P [64][PDS] (hi/lo float pairs), later float R [96][LD], later float X [64][LDX]
+  static constexpr size_t pr = ks + sizeof(float) * kChunk * LD;
+  static constexpr size_t pr_bytes = cmax(cmax(sizeof(float2) * kChunk * PDS, sizeof(float) * 96 * LD),
+                                          sizeof(float) * kChunk * LDX);
   static constexpr size_t aq = pr + pr_bytes;
   static constexpr size_t ak = aq + sizeof(float) * kChunk * LDA;
   static constexpr size_t gs = ak + sizeof(float) * kChunk * LDA;  // gates of the chunk [64][LD]
   static constexpr size_t bs = gs + sizeof(float) * kChunk * LD;
-  static constexpr size_t bytes = bs + sizeof(float) * kChunk;
+  // KDA: ea[a][c] = e^{G_{16a-1}} (ea[0] = 1); GDN: ea[t] = e^{G_t}
+  static constexpr size_t ea = bs + sizeof(float) * kChunk;
+  static constexpr size_t bytes = ea + sizeof(float) * 4 * KP;
 };
 
 template <bool PC, int KP, bool PRECISE>
@@ -176,12 +221,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   extern __shared__ __align__(16) unsigned char smem[];
   float* Qs = reinterpret_cast<float*>(smem + SM::qs);
   float* Ks = reinterpret_cast<float*>(smem + SM::ks);
-  double* Pd = reinterpret_cast<double*>(smem + SM::pr);
+  float2* Pd = reinterpret_cast<float2*>(smem + SM::pr);  // double prefix sums as hi + lo floats
   float* Rs = reinterpret_cast<float*>(smem + SM::pr);
   float* Aq = reinterpret_cast<float*>(smem + SM::aq);
   float* Ak = reinterpret_cast<float*>(smem + SM::ak);
   float* gs = reinterpret_cast<float*>(smem + SM::gs);
   float* bs = reinterpret_cast<float*>(smem + SM::bs);
+  float* Ea = reinterpret_cast<float*>(smem + SM::ea);
+  constexpr int PDS = SM::PDS;
 
   const int cid = blockIdx.x, hv = blockIdx.y;
   int64_t tok0;
@@ -191,33 +238,48 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   const int K = p.K, V = p.V, HV = p.HV, dt = p.in_dtype;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
-  using WL = WsLayout<KP>;
+  const bool half = p.ws_bf16 != 0;
+  const WsLayout<KP> WL(half);
 
   auto gate = [&](int t, int c) -> float { return gs[t * LD + c]; };
-  auto kglob = [&](int t, int c) -> float {
-    if (t >= L || c >= K) return 0.f;
-    return load_in(p.k, ((tok0 + t) * p.H + h) * K + c, dt);
-  };
 
-  // ---- P0: q, k (zero padded), beta; clear A
-#pragma unroll 4
-  for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
-    const int t = i / KP, c = i - (i / KP) * KP;
-    float qv = 0.f, kv = 0.f;
-    if (t < L && c < K) {
-      const int64_t off = ((tok0 + t) * p.H + h) * K + c;
-      qv = load_in(p.q, off, dt);
-      kv = load_in(p.k, off, dt);
+  // ---- P0: q, k, g (zero padded), beta; clear A. Typed loads, 16 elements of each in flight per thread before
+  //      any shared store (the stores would otherwise order the generic loads one element at a time).
+  auto stage = [&](const auto* qp, const auto* kp) {
+    constexpr int kPer = kChunk * KP / kPrepThreads, kBatch = 16;
+    static_assert(kPer % kBatch == 0, "P0 batches");
+#pragma unroll 1
+    for (int i0 = 0; i0 < kPer; i0 += kBatch) {
+      float qv[kBatch], kv[kBatch], gv[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = tid + (i0 + u) * kPrepThreads;
+        const int t = i / KP, c = i % KP;
+        qv[u] = kv[u] = gv[u] = 0.f;
+        if (t < L && c < K) {
+          const int64_t off = ((tok0 + t) * p.H + h) * K + c;
+          qv[u] = to_f32(qp[off]);
+          kv[u] = to_f32(kp[off]);
+          const int64_t row = (tok0 + t) * HV + hv;
+          gv[u] = PC ? __ldg(p.g + row * K + c) : __ldg(p.g + row);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = tid + (i0 + u) * kPrepThreads;
+        const int t = i / KP, c = i % KP;
+        Qs[t * LD + c] = qv[u];
+        Ks[t * LD + c] = kv[u];
+        gs[t * LD + c] = gv[u];
+      }
     }
-    Qs[t * LD + c] = qv;
-    Ks[t * LD + c] = kv;
-    float gv = 0.f;
-    if (t < L && c < K) {
-      const int64_t row = (tok0 + t) * HV + hv;
-      gv = PC ? p.g[row * K + c] : p.g[row];
-    }
-    gs[t * LD + c] = gv;
-  }
+  };
+  if (dt == kBF16)
+    stage(static_cast<const __nv_bfloat16*>(p.q), static_cast<const __nv_bfloat16*>(p.k));
+  else if (dt == kF16)
+    stage(static_cast<const __half*>(p.q), static_cast<const __half*>(p.k));
+  else
+    stage(static_cast<const float*>(p.q), static_cast<const float*>(p.k));
   for (int i = tid; i < kChunk * LDA; i += kPrepThreads) {
     Aq[i] = 0.f;
     Ak[i] = 0.f;
@@ -229,6 +291,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   //      kg = beta k e^{G_last - G} (suffix sums), decay = e^{G_last}. Threads [0, KP) run the prefix sums,
   //      threads [KP, 2 KP) the suffix sums (kPrepThreads >= 2 KP).
   static_assert(kPrepThreads >= 2 * KP, "P0a needs two threads per channel");
+  static_assert(kPrepThreads == 256, "P1 maps 4 sub-chunks x 8 row pairs x 8 channel groups onto the threads");
   if (tid < KP) {
     const int c = tid;
     double G = 0.0, P = 0.0;
@@ -237,43 +300,91 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       const float gt = gate(t, c);
       G += gt;
       P += gt;
-      Pd[t * KP + c] = PC ? P : G;  // GDN: the chunk prefix G_t (column 0 is used)
-      ws[WL::qg + frag_index<KP>(t, c)] = p.scale * Qs[t * LD + c] * __expf(static_cast<float>(G));
+      Pd[t * PDS + c] = split_hi_lo(PC ? P : G);  // GDN: the chunk prefix G_t (column 0 is used)
+      const float eG = __expf(static_cast<float>(G));
+      ws_put(ws + WL.qg, frag_index<KP>(t, c), half, p.scale * Qs[t * LD + c] * eG);
+      if constexpr (PC) {
+        if (t == 0) Ea[c] = 1.f;
+        if ((t & (kSub - 1)) == kSub - 1 && t + 1 < kChunk) Ea[((t >> 4) + 1) * KP + c] = eG;
+      } else {
+        if (c == 0) Ea[t] = eG;
+      }
     }
-    ws[WL::decay + c] = __expf(static_cast<float>(G));
+    ws[WL.decay + c] = __expf(static_cast<float>(G));
   } else if (tid < 2 * KP) {
     const int c = tid - KP;
     double S = 0.0;
     for (int t = kChunk - 1; t >= 0; --t) {
-      ws[WL::kg + frag_index<kChunk>(c, t)] = bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S));
+      ws_put(ws + WL.kg, frag_index<kChunk>(c, t), half, bs[t] * Ks[t * LD + c] * __expf(static_cast<float>(S)));
       S += gate(t, c);
     }
   }
   __syncthreads();
 
   if constexpr (PC) {
-  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores (warp per pair)
-  for (int pr = warp; pr < 4 * 136; pr += kPrepThreads / 32) {
-    const int a = pr / 136;
-    const int qq = pr - a * 136;
-    int tl = 0;
-    while ((tl + 1) * (tl + 2) / 2 <= qq) ++tl;
-    const int jl = qq - tl * (tl + 1) / 2;
-    const int t = a * kSub + tl, j = a * kSub + jl;
-    float sq = 0.f, sk = 0.f;
-    if (t < L) {
-      for (int c = lane; c < KP; c += 32) {
-        const float e = __expf(static_cast<float>(Pd[t * KP + c] - Pd[j * KP + c]));
-        const float kj = Ks[j * LD + c] * e;
-        sq = fmaf(Qs[t * LD + c], kj, sq);
-        sk = fmaf(Ks[t * LD + c], kj, sk);
-      }
-      sq = warp_sum_from<1>(sq);
-      sk = warp_sum_from<1>(sk);
+  // ---- P1: pairs inside one 16-token sub-chunk, exact per-channel factors on CUDA cores. Thread = (sub-chunk
+  //      a, row pair rp, channel group cg): rows t1 = 16a + rp (pairs j <= t1) and t2 = 16a + 15 - rp (pairs
+  //      j <= t2), 17 pairs in all, over the channel pairs c = 2 (8 ci + cg) + {0, 1}. The 16 j rows are read
+  //      once per channel pair by the whole warp (the four row pairs of a warp share j: broadcast; 8 channel
+  //      groups x 16 B = one 128 B wavefront), then the 8 channel groups (lane bits 0..2) are summed by xor
+  //      shuffles.
+  {
+    constexpr int NCI = KP / 16;
+    const int cg = tid & 7, rp = (tid >> 3) & 7, a = tid >> 6;
+    const int j0 = a * kSub, t1 = j0 + rp, t2 = j0 + kSub - 1 - rp;
+    float q1[8], k1[8], q2[kSub], k2[kSub];
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if (jl < 8) q1[jl] = k1[jl] = 0.f;
+      q2[jl] = k2[jl] = 0.f;
     }
-    if (lane == 0) {
-      Aq[t * LDA + j] = sq;
-      Ak[t * LDA + j] = (j < t) ? sk : 0.f;
+#pragma unroll 1
+    for (int ci = 0; ci < NCI; ++ci) {
+      const int c = 2 * (ci * 8 + cg);
+      const float4 P1 = *reinterpret_cast<const float4*>(Pd + t1 * PDS + c);  // hi0, lo0, hi1, lo1
+      const float4 P2 = *reinterpret_cast<const float4*>(Pd + t2 * PDS + c);
+      const float2 qa = *reinterpret_cast<const float2*>(Qs + t1 * LD + c);
+      const float2 ka = *reinterpret_cast<const float2*>(Ks + t1 * LD + c);
+      const float2 qb = *reinterpret_cast<const float2*>(Qs + t2 * LD + c);
+      const float2 kb = *reinterpret_cast<const float2*>(Ks + t2 * LD + c);
+#pragma unroll
+      for (int jl = 0; jl < kSub; ++jl) {
+        const float4 Pj = *reinterpret_cast<const float4*>(Pd + (j0 + jl) * PDS + c);
+        const float2 kj = *reinterpret_cast<const float2*>(Ks + (j0 + jl) * LD + c);
+        if (jl < 8 && jl <= rp) {
+          const float x0 = kj.x * __expf((P1.x - Pj.x) + (P1.y - Pj.y));
+          const float x1 = kj.y * __expf((P1.z - Pj.z) + (P1.w - Pj.w));
+          q1[jl] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl]));
+          k1[jl] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl]));
+        }
+        if (jl <= kSub - 1 - rp) {
+          const float x0 = kj.x * __expf((P2.x - Pj.x) + (P2.y - Pj.y));
+          const float x1 = kj.y * __expf((P2.z - Pj.z) + (P2.w - Pj.w));
+          q2[jl] = fmaf(qb.y, x1, fmaf(qb.x, x0, q2[jl]));
+          k2[jl] = fmaf(kb.y, x1, fmaf(kb.x, x0, k2[jl]));
+        }
+      }
+    }
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if (jl < 8) {
+        q1[jl] = warp_sum_below<8>(q1[jl]);
+        k1[jl] = warp_sum_below<8>(k1[jl]);
+      }
+      q2[jl] = warp_sum_below<8>(q2[jl]);
+      k2[jl] = warp_sum_below<8>(k2[jl]);
+    }
+#pragma unroll
+    for (int jl = 0; jl < kSub; ++jl) {
+      if ((jl & 7) != cg) continue;
+      if (jl < 8 && jl <= rp) {
+        Aq[t1 * LDA + j0 + jl] = q1[jl];
+        Ak[t1 * LDA + j0 + jl] = jl < rp ? k1[jl] : 0.f;
+      }
+      if (jl <= kSub - 1 - rp) {
+        Aq[t2 * LDA + j0 + jl] = q2[jl];
+        Ak[t2 * LDA + j0 + jl] = jl < kSub - 1 - rp ? k2[jl] : 0.f;
+      }
     }
   }
   __syncthreads();
@@ -281,7 +392,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   // ---- P0b: per channel: right factors R_a[j] = k_j e^{G_r - G_j} (j < 16a, r = 16a - 1; suffix sums) over
   //      P's storage, then the left factors in place (rows of sub-chunks 1..3): x_t e^{G_t - G_r}, r = the last
   //      token before t's sub-chunk (prefix sums within the sub-chunk). Thread c computes R's column c from the
-  //      raw k, then scales k's column c; thread KP + c scales q's column c.
+  //      raw k, then scales k's column c (all four sub-chunks; sub-chunk 0 is not read by P2 but P4 uses it);
+  //      thread KP + c scales q's column c.
   if (tid < KP) {
     const int c = tid;
     for (int a = 1; a < 4; ++a) {
@@ -293,7 +405,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
       }
     }
     double P = 0.0;
-    for (int t = kSub; t < kChunk; ++t) {
+    for (int t = 0; t < kChunk; ++t) {  // sub-chunk 0 too: P4 forms K e^G from these rows
       if ((t & (kSub - 1)) == 0) P = 0.0;
       P += gate(t, c);
       Ks[t * LD + c] *= __expf(static_cast<float>(P));
@@ -353,58 +465,132 @@ __global__ void __launch_bounds__(kPrepThreads, 1) delta_chunk_prep_kernel(const
   for (int i = tid; i < kChunk * kChunk; i += kPrepThreads) {
     const int t = i >> 6, j = i & 63;
     if constexpr (!PC) {  // scalar decay e^{G_t - G_j} (double prefix difference), causal mask
-      const float f = j <= t ? __expf(static_cast<float>(Pd[t * KP] - Pd[j * KP])) : 0.f;
+      const float f = j <= t ? __expf(hi_lo_diff(Pd[t * PDS], Pd[j * PDS])) : 0.f;
       Aq[t * LDA + j] *= f;
       Ak[t * LDA + j] *= (j < t ? f : 0.f);
     }
-    ws[WL::aqk + frag_index<kChunk>(t, j)] = p.scale * Aq[t * LDA + j] * bs[j];
+    ws_put(ws + WL.aqk, frag_index<kChunk>(t, j), half, p.scale * Aq[t * LDA + j] * bs[j]);
     Ak[t * LDA + j] *= bs[j];
   }
   __syncthreads();
 
-  // ---- P4: forward substitution (I + A_kk Diag(beta)) X = [K e^G | V], one column per thread, in registers
-  for (int col = tid; col < KP + V; col += kPrepThreads) {
-    float x[kChunk];
-    if (col < KP) {
-      double G = 0.0;
+  // ---- P4: T = M^-1 for M = I + A_kk Diag(beta) (unit lower triangular), then w = T (K e^G), u0 = T V.
+  //      (a) X = K e^G into the P/R storage (stride LDX, conflict-free B fragments), elementwise from the staged
+  //          k: KDA: row t of Ks holds k_t e^{G_t - G_r} (P0b; r = 16a - 1, the token before t's sub-chunk a),
+  //          times ea[a] = e^{G_r} (two factors <= 1); GDN: raw k_t times ea[t] = e^{G_t}. Threads [0, 64)
+  //          first invert the four 16x16 diagonal blocks T_aa = M_aa^-1, one column per thread (forward
+  //          substitution of a unit vector, 120 FMAs), upper triangle zero; T over Aq.
+  //      (b) for a = 1..3: Y = sum_{c=b}^{a-1} Ab_ac T_cb, then T_ab = -T_aa Y (b < a), fp32 on CUDA cores.
+  //      (c) w and u0 on tensor cores: a warp owns 8 output columns (of w, then of u0) and all four row blocks;
+  //          row block a needs only the k-blocks 0..a (T is lower triangular).
+  {
+    constexpr int LDX = SM::LDX;
+    float* Xs = reinterpret_cast<float*>(smem + SM::pr);  // K e^G [64][LDX]
+    float* Ts = Aq;                                       // T = M^-1 [64][LDA] (lower blocks only)
+    float* Ys = Qs;                                       // Y [16][48]
+    if (tid < 64) {
+      const int a = tid >> 4, j = tid & 15;
+      const float* Ab = Ak + a * kSub * LDA + a * kSub;
+      float x[kSub];
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) {
-        G += gate(t, col);
-        x[t] = kglob(t, col) * __expf(static_cast<float>(G));
+      for (int i = 0; i < kSub; ++i) {
+        float s = (i == j) ? 1.f : 0.f;
+#pragma unroll
+        for (int m = 0; m < i; ++m) s = fmaf(-Ab[i * LDA + m], x[m], s);
+        x[i] = (i < j) ? 0.f : s;
       }
-    } else {
-      const int vc = col - KP;
+      float* Td = Ts + a * kSub * LDA + a * kSub + j;
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) x[t] = (t < L) ? load_in(p.v, ((tok0 + t) * HV + hv) * V + vc, dt) : 0.f;
+      for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
     }
-#pragma unroll
-    for (int t = 1; t < kChunk; ++t) {
-      // four independent partial sums (the FMA chain is the latency of this phase)
-      float s[4] = {x[t], 0.f, 0.f, 0.f};
-      const float* Arow = Ak + t * LDA;
-#pragma unroll
-      for (int j = 0; j < t; ++j) s[j & 3] = fmaf(-Arow[j], x[j], s[j & 3]);
-      x[t] = (s[0] + s[1]) + (s[2] + s[3]);
+#pragma unroll 4
+    for (int i = tid; i < kChunk * KP; i += kPrepThreads) {
+      const int t = i / KP, c = i % KP;
+      Xs[t * LDX + c] = Ks[t * LD + c] * (PC ? Ea[(t >> 4) * KP + c] : Ea[t]);
     }
-    if (col < KP) {
+    __syncthreads();
+#pragma unroll 1
+    for (int a = 1; a < 4; ++a) {
+      const int ncol = a * kSub;  // columns [0, 16a) of block row a
+      for (int idx = tid; idx < kSub * ncol; idx += kPrepThreads) {
+        const int i = idx / ncol, col = idx - (idx / ncol) * ncol;
+        const float* Arow = Ak + (a * kSub + i) * LDA;
+        float s0 = 0.f, s1 = 0.f;
+        for (int m = (col >> 4) * kSub; m < a * kSub; m += 2) {
+          s0 = fmaf(Arow[m], Ts[m * LDA + col], s0);
+          s1 = fmaf(Arow[m + 1], Ts[(m + 1) * LDA + col], s1);
+        }
+        Ys[i * 48 + col] = s0 + s1;
+      }
+      __syncthreads();
+      for (int idx = tid; idx < kSub * ncol; idx += kPrepThreads) {
+        const int i = idx / ncol, col = idx - (idx / ncol) * ncol;
+        const float* Trow = Ts + (a * kSub + i) * LDA + a * kSub;
+        float s = 0.f;
+        for (int m = 0; m <= i; ++m) s = fmaf(Trow[m], Ys[m * 48 + col], s);
+        Ts[(a * kSub + i) * LDA + col] = -s;
+      }
+      __syncthreads();
+    }
+
+    const int gq = lane >> 2, t4 = lane & 3;
+    const int ntw = KP / 8, ntv = (V + 7) / 8;
+    for (int item = warp; item < ntw + ntv; item += kPrepThreads / 32) {
+      const bool isw = item < ntw;
+      const int n0 = (isw ? item : item - ntw) * 8;
+      float b[kChunk / 8][2];
+      if (isw) {
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) ws[WL::w + frag_index<KP>(t, col)] = x[t];
-    } else {
-      float* u = ws + WL::u + (col - KP);
+        for (int ks = 0; ks < kChunk / 8; ++ks) {
+          b[ks][0] = Xs[(ks * 8 + t4) * LDX + n0 + gq];
+          b[ks][1] = Xs[(ks * 8 + t4 + 4) * LDX + n0 + gq];
+        }
+      } else {
+        const int vc = n0 + gq;
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) u[t * V] = x[t];
+        for (int ks = 0; ks < kChunk / 8; ++ks)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int t = ks * 8 + t4 + 4 * hh;
+            b[ks][hh] = (t < L && vc < V) ? load_in(p.v, ((tok0 + t) * HV + hv) * V + vc, dt) : 0.f;
+          }
+      }
+      float acc[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
+        const float* Ta = Ts + (a * kSub + gq) * LDA + t4;
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 8; ++ks) {
+          if (ks < 2 * a + 2) {
+            const float4 af = make_float4(Ta[ks * 8], Ta[8 * LDA + ks * 8], Ta[ks * 8 + 4], Ta[8 * LDA + ks * 8 + 4]);
+            mma8<PRECISE>(acc[a], af, b[ks][0], b[ks][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = a * kSub + gq + (e >> 1) * 8, c = n0 + 2 * t4 + (e & 1);
+          if (isw) ws[WL.w + frag_index<KP>(r, c)] = acc[a][e];
+          else if (c < V) ws[WL.u + static_cast<int64_t>(r) * V + c] = acc[a][e];
+        }
     }
   }
 }
 
 // Scan: block = (sequence, value head, BV columns); 4 warps. Warp wi owns rows 16wi..16wi+15 of U and o, and
 // rows [wi * KP/4, (wi+1) * KP/4) of h.
-template <int KP, int BV, bool PRECISE>
+// HALF: the workspace's q~, k~^T, A~ are bf16 (p.ws_bf16; a template parameter here so that only one load path
+// is compiled into the register-tight scan).
+template <int KP, int BV, bool PRECISE, bool HALF>
 __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const ChunkFwdParams p) {
   constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
   constexpr int NT = BV / 8;
   constexpr int MT = KP / 64;  // 16-row tiles of h per warp
-  using WL = WsLayout<KP>;
+  constexpr bool half = HALF;
+  const WsLayout<KP> WL(half);
   __shared__ __align__(16) float hs[KP * LDH];
   __shared__ __align__(16) float Us[kChunk * LDH];
 
@@ -450,7 +636,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
   float u0r[NT][4];
   auto load_w = [&](int ci) {
     const float* ws = chunk_ws(ci);
-    const float4* wf = reinterpret_cast<const float4*>(ws + WL::w) + wi * (KP / 8) * 32 + lane;
+    const float4* wf = reinterpret_cast<const float4*>(ws + WL.w) + wi * (KP / 8) * 32 + lane;
 #pragma unroll
     for (int ks = 0; ks < KP / 8; ++ks) wa[ks] = __ldg(wf + ks * 32);
 #pragma unroll
@@ -459,7 +645,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       for (int e = 0; e < 4; ++e) {
         const int r = wi * 16 + gq + (e >> 1) * 8;
         const int cl = nt * 8 + 2 * t4 + (e & 1);
-        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL::u + r * V + v0 + cl) : 0.f;
+        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL.u + r * V + v0 + cl) : 0.f;
       }
   };
   if (nch > 0) load_w(0);
@@ -467,20 +653,20 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
   for (int ci = 0; ci < nch; ++ci) {
     const float* ws = chunk_ws(ci);
     const int L = min(kChunk, len - ci * kChunk);
-    const float4* qf = reinterpret_cast<const float4*>(ws + WL::qg) + wi * (KP / 8) * 32 + lane;
-    const float4* af = reinterpret_cast<const float4*>(ws + WL::aqk) + wi * (kChunk / 8) * 32 + lane;
-    const float4* kf = reinterpret_cast<const float4*>(ws + WL::kg) + wi * MT * (kChunk / 8) * 32 + lane;
+    const int qi = wi * (KP / 8) * 32 + lane;             // tile-lane indices of this warp's fragments
+    const int ai = wi * (kChunk / 8) * 32 + lane;
+    const int ki = wi * MT * (kChunk / 8) * 32 + lane;
     float4 qa[KP / 8], aa[kChunk / 8];
 #pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks) qa[ks] = __ldg(qf + ks * 32);
+    for (int ks = 0; ks < KP / 8; ++ks) qa[ks] = ws_frag(ws + WL.qg, qi + ks * 32, half);
 #pragma unroll
     for (int ks = 0; ks < kChunk / 8; ++ks)
-      aa[ks] = ks < 2 * wi + 2 ? __ldg(af + ks * 32) : make_float4(0.f, 0.f, 0.f, 0.f);
+      aa[ks] = ks < 2 * wi + 2 ? ws_frag(ws + WL.aqk, ai + ks * 32, half) : make_float4(0.f, 0.f, 0.f, 0.f);
     float dec[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      dec[mt][0] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq);
-      dec[mt][1] = __ldg(ws + WL::decay + (wi * MT + mt) * 16 + gq + 8);
+      dec[mt][0] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq);
+      dec[mt][1] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq + 8);
     }
 
     // U = u0 - w h
@@ -503,7 +689,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
     float4 ka[MT * (kChunk / 8)];
 #pragma unroll
-    for (int i = 0; i < MT * (kChunk / 8); ++i) ka[i] = __ldg(kf + i * 32);
+    for (int i = 0; i < MT * (kChunk / 8); ++i) ka[i] = ws_frag(ws + WL.kg, ki + i * 32, half);
     __syncthreads();
 
     // o = qg h + aqk U

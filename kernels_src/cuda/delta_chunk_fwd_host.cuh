@@ -1,6 +1,7 @@
 // Host side of the chunked forward (kernels: delta_chunk_fwd.cuh): checks, workspace, dispatch. Used by
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
-// KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy), bf16/fp16 inputs tf32.
+// KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
+// bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 #pragma once
 
 #include "delta_chunk_fwd.cuh"
@@ -25,7 +26,12 @@ void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
 template <int KP, int BV, bool PRECISE>
 void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
-  delta_chunk_scan_kernel<KP, BV, PRECISE><<<grid, kScanThreads, 0, st>>>(p);
+  if constexpr (PRECISE) {  // fp32 inputs: fp32 workspace only
+    delta_chunk_scan_kernel<KP, BV, true, false><<<grid, kScanThreads, 0, st>>>(p);
+  } else {
+    if (p.ws_bf16) delta_chunk_scan_kernel<KP, BV, false, true><<<grid, kScanThreads, 0, st>>>(p);
+    else delta_chunk_scan_kernel<KP, BV, false, false><<<grid, kScanThreads, 0, st>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -66,7 +72,9 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
   const int KP = s.K <= 64 ? 64 : 128;
-  p.ws_stride = KP == 64 ? WsLayout<64>::floats(s.V) : WsLayout<128>::floats(s.V);
+  // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
+  p.ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
+  p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   int64_t max_chunks;
   at::Tensor map;
