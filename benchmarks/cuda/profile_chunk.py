@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Per-kernel times of the chunked forward and backward core ops (torch.profiler), and a single-call mode for
+Nsight Compute. B=1 T=8192 H=16 HV=32 K=V=128 bf16 unless told otherwise.
+
+    python benchmarks/cuda/profile_chunk.py                 # prints {family: {phase: {kernel: ms}}} as JSON
+    ncu -k regex:prep -c 1 --set full -o prep python benchmarks/cuda/profile_chunk.py --once kda_fwd
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cuda_variant import load_cuda_variant  # noqa: E402
+
+
+def inputs(family, B, T, H, HV, K, V):
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(B, T, HV, K if family == "kda" else 1, device="cuda")) / 8
+    g = g if family == "kda" else g[..., 0]
+    beta = torch.rand(B, T, HV, device="cuda")
+    do = torch.randn_like(v)
+    dht = torch.randn(B, HV, K, V, device="cuda")
+    return q, k, v, g.contiguous(), beta, do, dht
+
+
+def calls(ops, family, xs, K):
+    q, k, v, g, beta, do, dht = xs
+    fwd = getattr(ops, f"{family}_chunk_fwd")
+    bwd = getattr(ops, f"{family}_chunk_bwd")
+    return {"fwd": lambda: fwd(q, k, v, g, beta, K ** -0.5, None, None),
+            "bwd": lambda: bwd(q, k, v, g, beta, K ** -0.5, None, None, do, dht)}
+
+
+def kernel_times(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
+            out[e.key[:90]] = round(e.device_time_total / 1e3 / reps, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
+    ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
+    args = ap.parse_args()
+    B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
+    ops = load_cuda_variant("kda_cuda_profile").ops
+    if args.once:
+        family, phase = args.once.split("_")
+        fn = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)[phase]
+        fn()
+        torch.cuda.synchronize()
+        return
+    res = {"gpu": torch.cuda.get_device_name(), "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V)}
+    for family in ("kda", "gdn"):
+        fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
+        res[family] = {phase: kernel_times(fn) for phase, fn in fns.items()}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
