@@ -9,8 +9,7 @@
 //   O = scale ((Q * Gam) S0 + A_qk U),   S1 = Gam_last * S0 + (K * Eend)^T U
 // Every decay factor is a running product of a_i <= 1: no exp of a difference, no e^{-G}, nothing overflows.
 //
-// Five kernels. fp32 arithmetic; the V/K contractions (gemm) on tensor cores -- tf32 for bf16/fp16 inputs, 3xTF32
-// for fp32 inputs -- or as fp32 SIMT FMAs (KDA_CUDA_CHUNK_BWD_TC=0; Params::mm):
+// Five kernels (all fp32 arithmetic, SIMT; no tensor cores yet):
 //   chunk_table  chunk offsets of the sequences (device side, so varlen needs no host sync)
 //   prep         per chunk, all chunks in parallel: A_qk, A_kk (exact per-channel products), the WY solve;
 //                writes A_qk, A_kk, u, w
@@ -27,7 +26,6 @@
 #include <cstdint>
 
 #include "delta_common.cuh"
-#include "mma_tf32.cuh"
 
 namespace kda_kernels {
 namespace cuda {
@@ -47,7 +45,6 @@ struct Params {
   const float *g, *beta, *h0, *dht;
   const int64_t* cu;
   int in_dtype;
-  int mm;  // products of the V/K contractions: 0 fp32 SIMT, 1 tf32 tensor cores, 2 3xTF32 tensor cores (GemmMode)
   int B, T, H, HV, K, V, N;
   float scale;
   int* chunk_off;  // [N + 1]
@@ -97,56 +94,6 @@ __device__ __forceinline__ void bgemm(int M, int N, int Kd, float alpha, const f
         *c = ACC ? fmaf(alpha, acc[i][j], *c) : alpha * acc[i][j];
       }
   }
-}
-
-// The same contraction on tensor cores: a warp per 16 x 8 tile of C (m16n8k8, fragments read from shared memory
-// with the same strides), M a multiple of 16, N and Kd multiples of 8. A thread touches only its own fragment
-// elements of C, the same ones for the same (M, N): consecutive calls into one C need no barrier, as with bgemm.
-// PRECISE: 3xTF32 (about fp32 accuracy), else tf32 (10-bit mantissa products, fp32 sums).
-template <bool ACC, bool PRECISE>
-__device__ __forceinline__ void bgemm_tc(int M, int N, int Kd, float alpha, const float* __restrict__ A, int ar,
-                                         int ac, const float* __restrict__ Bm, int br, int bc, float* __restrict__ C,
-                                         int ldc) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int nt = N >> 3;
-  const int tiles = (M >> 4) * nt;
-  for (int tile = threadIdx.x >> 5; tile < tiles; tile += blockDim.x >> 5) {
-    const int m0 = (tile / nt) * 16, n0 = (tile % nt) * 8;
-    const float* a_lo = A + (m0 + g) * ar + t * ac;  // rows g and g + 8, columns t and t + 4 of each k-step
-    const float* a_hi = a_lo + 8 * ar;
-    const float* b = Bm + t * br + (n0 + g) * bc;    // rows t and t + 4, column g
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int k0 = 0; k0 < Kd; k0 += 8) {
-      const int ka = k0 * ac, kb = k0 * br;
-      const float4 a = make_float4(a_lo[ka], a_hi[ka], a_lo[ka + 4 * ac], a_hi[ka + 4 * ac]);
-      mma8<PRECISE>(d, a, b[kb], b[kb + 4 * br]);
-    }
-    float* c0 = C + (m0 + g) * ldc + n0 + 2 * t;  // d0, d1: row g, columns 2t, 2t + 1; d2, d3: row g + 8
-    float* c1 = c0 + 8 * ldc;
-    if (ACC) {
-      c0[0] = fmaf(alpha, d[0], c0[0]); c0[1] = fmaf(alpha, d[1], c0[1]);
-      c1[0] = fmaf(alpha, d[2], c1[0]); c1[1] = fmaf(alpha, d[3], c1[1]);
-    } else {
-      c0[0] = alpha * d[0]; c0[1] = alpha * d[1];
-      c1[0] = alpha * d[2]; c1[1] = alpha * d[3];
-    }
-  }
-}
-
-enum GemmMode : int { kGemmSimt = 0, kGemmTf32 = 1, kGemm3xTf32 = 2 };
-
-// bgemm or bgemm_tc by the call's mode (uniform across the block).
-template <bool ACC>
-__device__ __forceinline__ void gemm(int mode, int M, int N, int Kd, float alpha, const float* __restrict__ A, int ar,
-                                     int ac, const float* __restrict__ Bm, int br, int bc, float* __restrict__ C,
-                                     int ldc) {
-  if (mode == kGemmTf32)
-    bgemm_tc<ACC, false>(M, N, Kd, alpha, A, ar, ac, Bm, br, bc, C, ldc);
-  else if (mode == kGemm3xTf32)
-    bgemm_tc<ACC, true>(M, N, Kd, alpha, A, ar, ac, Bm, br, bc, C, ldc);
-  else
-    bgemm<ACC>(M, N, Kd, alpha, A, ar, ac, Bm, br, bc, C, ldc);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -394,7 +341,7 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
     }
     decay_rows<PC, false>(p, cp, hv, kend, nullptr, abuf, gl);
     __syncthreads();
-    gemm<true>(p.mm, CH, VS, KP, -1.f, w, LDK, 1, h, VS, 1, U, VS);  // U = u - w S0
+    bgemm<true>(CH, VS, KP, -1.f, w, LDK, 1, h, VS, 1, U, VS);  // U = u - w S0
     __syncthreads();
     for (int i = tid; i < CH * VS; i += NT) {
       const int t = i / VS, v = v0 + i % VS;
@@ -402,7 +349,7 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
     }
     for (int i = tid; i < KP * VS; i += NT) h[i] *= gl[i / VS];
     __syncthreads();
-    gemm<true>(p.mm, KP, VS, CH, 1.f, kend, 1, LDK, U, VS, 1, h, VS);  // S1 = gl S0 + Kend^T U
+    bgemm<true>(KP, VS, CH, 1.f, kend, 1, LDK, U, VS, 1, h, VS);  // S1 = gl S0 + Kend^T U
   }
 }
 
@@ -463,8 +410,8 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
     }
     decay_rows<PC, true>(p, cp, hv, kend, qg, abuf, gl);
     __syncthreads();
-    gemm<false>(p.mm, CH, VS, CH, 1.f, aqk, 1, CH, dos, VS, 1, dU, VS);   // dU = A_qk^T dO
-    gemm<true>(p.mm, CH, VS, KP, 1.f, kend, LDK, 1, dS, VS, 1, dU, VS);   //    + Kend dS1 (same thread mapping)
+    bgemm<false>(CH, VS, CH, 1.f, aqk, 1, CH, dos, VS, 1, dU, VS);   // dU = A_qk^T dO
+    bgemm<true>(CH, VS, KP, 1.f, kend, LDK, 1, dS, VS, 1, dU, VS);   //    + Kend dS1 (same thread mapping)
     __syncthreads();
     for (int i = tid; i < CH * VS; i += NT) {
       const int t = i / VS, v = v0 + i % VS;
@@ -472,8 +419,8 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
     }
     for (int i = tid; i < KP * VS; i += NT) dS[i] *= gl[i / VS];
     __syncthreads();
-    gemm<true>(p.mm, KP, VS, CH, 1.f, qg, 1, LDK, dos, VS, 1, dS, VS);  // dS0 = gl dS1 + (Q Gam)^T dO
-    gemm<true>(p.mm, KP, VS, CH, -1.f, w, 1, LDK, dU, VS, 1, dS, VS);   //       - w^T dU
+    bgemm<true>(KP, VS, CH, 1.f, qg, 1, LDK, dos, VS, 1, dS, VS);  // dS0 = gl dS1 + (Q Gam)^T dO
+    bgemm<true>(KP, VS, CH, -1.f, w, 1, LDK, dU, VS, 1, dS, VS);   //       - w^T dU
   }
   __syncthreads();
   for (int i = tid; i < KP * VS; i += NT) {
@@ -550,10 +497,10 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
         Ut[t * TS + v] = ok ? p.U[tok(t) * V + v0 + v] : 0.f;
       }
       __syncthreads();
-      gemm<true>(p.mm, CH, KP, 32, 1.f, dot, TS, 1, S0t, 1, TS, R0, KP);              // dQG += dO S0^T
-      gemm<true>(p.mm, CH, KP, 32, 1.f, Ut, TS, 1, dS1t, 1, TS, R1, KP);              // dKend += U dS1^T
-      gemm<true>(p.mm, CH, KP, 32, -1.f, R2 + v0, W, 1, S0t, 1, TS, R2 + VP, W);      // dw -= dU S0^T
-      gemm<true>(p.mm, CH, CH, 32, 1.f, dot, TS, 1, Ut, 1, TS, R3, CH);               // dA_qk += dO U^T
+      bgemm<true>(CH, KP, 32, 1.f, dot, TS, 1, S0t, 1, TS, R0, KP);              // dQG += dO S0^T
+      bgemm<true>(CH, KP, 32, 1.f, Ut, TS, 1, dS1t, 1, TS, R1, KP);              // dKend += U dS1^T
+      bgemm<true>(CH, KP, 32, -1.f, R2 + v0, W, 1, S0t, 1, TS, R2 + VP, W);      // dw -= dU S0^T
+      bgemm<true>(CH, CH, 32, 1.f, dot, TS, 1, Ut, 1, TS, R3, CH);               // dA_qk += dO U^T
       if (tid < KP) {
         float s = 0.f;
         for (int v = 0; v < 32; ++v) s = fmaf(dS1t[tid * TS + v], S0t[tid * TS + v], s);
@@ -598,7 +545,7 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
         Xt[t * TS + (i & 31)] = x;
       }
       __syncthreads();
-      gemm<true>(p.mm, CH, CH, 32, -1.f, R2 + x0, W, 1, Xt, 1, TS, R4, CH);
+      bgemm<true>(CH, CH, 32, -1.f, R2 + x0, W, 1, Xt, 1, TS, R4, CH);
     }
   }
   __syncthreads();

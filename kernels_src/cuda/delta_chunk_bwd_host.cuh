@@ -64,14 +64,6 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   }
   p.cu = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
   p.in_dtype = in_dtype_of(q, op);
-  // contractions on tensor cores: tf32 for 16-bit inputs, 3xTF32 (about fp32) for fp32 inputs; KDA_CUDA_CHUNK_BWD_TC=0
-  // keeps them all on fp32 SIMT FMAs, KDA_CUDA_CHUNK_BWD_TC_FP32=0 only those of fp32 inputs
-  if (env_int("KDA_CUDA_CHUNK_BWD_TC", 1) == 0)
-    p.mm = cb::kGemmSimt;
-  else if (p.in_dtype != kF32)
-    p.mm = cb::kGemmTf32;
-  else
-    p.mm = env_int("KDA_CUDA_CHUNK_BWD_TC_FP32", 1) == 0 ? cb::kGemmSimt : cb::kGemm3xTf32;
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
   p.chunk_off = off.data_ptr<int>();
