@@ -16,8 +16,9 @@ after a barrier; a CP iteration's time is the slowest rank's (all_reduce MAX); t
 single-GPU baseline runs on rank 0 while the other ranks wait; when one call over T tokens does not fit (the
 backward's work buffers grow with T), it runs as 2 or 4 chained calls on that GPU (state passed on; same math
 and kernels; the JSON's `segments`), and an OOM even then is reported, not fatal. Shares: rank 0's fraction of the tokens ("even" = 1/W, a number, or
-"auto" = balanced from the even split's per-rank times: rank 0 runs the plain op at value width V, the others
-run the transition at width K+V plus o += o_P S_in, so rank 0 can take more tokens). Bytes sent per rank are
+"auto" = balanced: rank 0 runs the plain op at value width V -- its cost per token taken from the one-device
+run, which comes first -- and the others run the transition at width K+V plus o += o_P S_in -- their cost per
+token from the even split --, so rank 0 takes more tokens). Bytes sent per rank are
 counted at the call site of the package's all_gather: (W-1) x payload (a ring all_gather), forward and backward.
 Results: JSON under benchmarks/cp/results/ (--out).
 """
@@ -205,14 +206,17 @@ def run_single(torch, device, use_cuda, args, single_fn, family, T, mode):
     return dict(error=error)
 
 
-def rank0_shares(spec, W, T, per_rank_even):
-    """Token boundaries for a rank-0 share; 'auto' balances per-token costs measured with the even split."""
+def rank0_shares(spec, W, T, per_rank_even, plain_per_token=None):
+    """Token boundaries for a rank-0 share. 'auto' balances per-token costs: c1 = the slowest other rank's time per
+    token in the even split (it runs the transition and hardly waits), c0 = the plain op's time per token on one
+    device when measured, else rank 0's even-split time (which includes waiting at the collective for the others,
+    so it overstates c0 and gives rank 0 too few tokens)."""
     if spec == "even":
         x = 1.0 / W
     elif spec == "auto":
         if per_rank_even is None:
             return None
-        c0 = per_rank_even[0]
+        c0 = plain_per_token or per_rank_even[0]
         c1 = max(per_rank_even[1:])
         x = c1 / ((W - 1) * c0 + c1)
     else:
@@ -277,9 +281,22 @@ def worker(rank, world, args, store_path):
             for mode in args.modes.split(","):
                 rec = dict(family=family, T=T, B=1, H=H, HV=HV, K=K, V=V, dtype=args.dtype, mode=mode,
                            world=world, transition=args.transition, cp=[])
+                # the same sequence on one device first (rank 0; the others wait): the speedups, and the per-token
+                # cost of the plain op that 'auto' balances against
+                single = None
+                if not args.no_single:
+                    if rank == 0:
+                        single = run_single(torch, device, use_cuda, args, single_fn, family, T, mode)
+                        rec["single"] = single
+                        seg = f" as {single['segments']} chained calls" if single.get("segments", 1) > 1 else ""
+                        log(rank, f"{family} T={T} {mode} one device{seg}: "
+                                  + (f"{single['ms']:.2f} ms, peak {single['peak_gib']:.1f} GiB"
+                                     if "ms" in single else single["error"]))
+                    dist.barrier()
+                plain_per_token = gather_floats(single["ms"] / T if single and "ms" in single else 0.0)[0] or None
                 per_rank_even = None
                 for share in args.shares.split(","):
-                    sb = rank0_shares(share, world, T, per_rank_even)
+                    sb = rank0_shares(share, world, T, per_rank_even, plain_per_token)
                     if sb is None:
                         continue
                     bounds, x = sb
@@ -319,21 +336,11 @@ def worker(rank, world, args, store_path):
                     del xs, grad_o, run
                     if use_cuda:
                         torch.cuda.empty_cache()
-                # the same sequence on one device (rank 0), for the speedup
-                if not args.no_single:
-                    single = None
-                    if rank == 0:
-                        single = run_single(torch, device, use_cuda, args, single_fn, family, T, mode)
-                        rec["single"] = single
-                        if "ms" in single:
-                            for e in rec["cp"]:
-                                e["speedup"] = single["ms"] / e["ms"]
-                        seg = f" as {single['segments']} chained calls" if single.get("segments", 1) > 1 else ""
-                        log(rank, f"{family} T={T} {mode} one device{seg}: "
-                                  + (f"{single['ms']:.2f} ms, peak {single['peak_gib']:.1f} GiB; speedup "
-                                     + ", ".join(f"{e['share']} {e['speedup']:.2f}x" for e in rec["cp"])
-                                     if "ms" in single else single["error"]))
-                    dist.barrier()
+                if single and "ms" in single:
+                    for e in rec["cp"]:
+                        e["speedup"] = single["ms"] / e["ms"]
+                    log(rank, f"{family} T={T} {mode} speedup over one device: "
+                              + ", ".join(f"{e['share']} {e['speedup']:.2f}x" for e in rec["cp"]))
                 results.append(rec)
 
     if args.smoke:
@@ -375,7 +382,8 @@ def smoke_check(torch, dist, mod, cp, rank, world, device):
         errs = []
         for r, m in zip(ref, mine):
             r = r[:, a:b].double()
-            num = torch.tensor([float((r - m.double()).pow(2).sum()), float(r.pow(2).sum())], dtype=torch.float64)
+            num = torch.tensor([float((r - m.double()).pow(2).sum()), float(r.pow(2).sum())], dtype=torch.float64,
+                               device=device)
             dist.all_reduce(num)
             errs.append(float((num[0] / num[1]).sqrt()))
         out[family] = dict(zip(("o", "dq", "dk", "dv", "dg", "dbeta"), errs))

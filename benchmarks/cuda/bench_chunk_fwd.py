@@ -2,6 +2,7 @@
 chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=128.
 
     python3 benchmarks/cuda/bench_chunk_fwd.py      # writes $OUT (or benchmarks/results) cuda_chunk_fwd.{json,png}
+    BENCH_SHAPES=varlen BENCH_BUDGET_S=60 python3 benchmarks/cuda/bench_chunk_fwd.py   # some shapes, a time budget
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -98,6 +99,9 @@ def main():
               ("B1_T32768_H16_HV32", 1, 32768, 16, 32, None),
               ("B4_T4096_H32_HV32", 4, 4096, 32, 32, None),
               ("varlen16_64-8192_H16_HV32", 1, sum(VARLEN), 16, 32, VARLEN)]
+    only = os.environ.get("BENCH_SHAPES")  # comma-separated name prefixes, e.g. "varlen" (short device calls)
+    if only:
+        shapes = [s for s in shapes if any(s[0].startswith(x) for x in only.split(","))]
     budget = float(os.environ.get("BENCH_BUDGET_S", "1e9"))
     t_start = time.time()
     for name, B, T, H, HV, lens in shapes:
