@@ -352,6 +352,26 @@ def test_split_varlen(cp_module):
     assert sl[2].seq_ids == [1] and not sl[2].continues_from_prev
 
 
+
+def test_balanced_bounds(cp_module):
+    cp = cp_module[1]
+    # two ranks, c = 2: rank 0 takes 2/3, rounded to whole 64-token chunks
+    assert cp.balanced_bounds(524288, 2) == [0, 349504, 524288]
+    assert cp.balanced_bounds(6400, 2, transition_cost=1.0) == [0, 3200, 6400]  # c = 1: even
+    b = cp.balanced_bounds(100000, 4, transition_cost=1.5)
+    assert b[0] == 0 and b[-1] == 100000 and b == sorted(b) and all(x % 64 == 0 for x in b[1:-1])
+    sizes = [y - x for x, y in zip(b, b[1:])]
+    assert abs(sizes[0] / sizes[1] - 1.5) < 0.01 and max(sizes[1:]) - min(sizes[1:]) <= 64
+    assert cp.balanced_bounds(10, 3) == [0, 0, 0, 10]  # shorter than a chunk: all on the last rank, monotone
+    assert cp.balanced_bounds(0, 2) == [0, 0, 0] and cp.balanced_bounds(500, 1) == [0, 500]
+    assert [s.continues_from_prev for s in cp.split_varlen([0, 1000], bounds=cp.balanced_bounds(1000, 2))] \
+        == [False, True]
+    for kw, what in ((dict(T=-1, world_size=2), "T"), (dict(T=10, world_size=0), "world_size"),
+                     (dict(T=10, world_size=2, transition_cost=0.5), "transition_cost"),
+                     (dict(T=10, world_size=2, chunk=0), "chunk")):
+        with pytest.raises(ValueError, match=what):
+            cp.balanced_bounds(**kw)
+
 def _two_layers(mod, cp, rank, world):
     """Two stacked CP layers (layer 2's v is a function of layer 1's o) with an in-place op on the first
     output, against one rank: the backward's collectives must pair up across layers and ranks."""

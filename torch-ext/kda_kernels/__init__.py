@@ -6,7 +6,7 @@ Public names follow flash-linear-attention, so `from fla.ops.kda import chunk_kd
 """
 from . import _ops, layers
 from .api import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
-from .context_parallel import chunk_gated_delta_rule_cp, chunk_kda_cp, split_varlen
+from .context_parallel import balanced_bounds, chunk_gated_delta_rule_cp, chunk_kda_cp, split_varlen
 from .gate import fused_gdn_gate, fused_kda_gate
 from .ops import NATIVE, ops
 
@@ -25,4 +25,5 @@ __all__ = [
     "chunk_kda_cp",
     "chunk_gated_delta_rule_cp",
     "split_varlen",
+    "balanced_bounds",
 ]
