@@ -826,29 +826,14 @@ DeltaBwdResult chunk_bwd_entry(const char* op, const at::Tensor& q, const at::Te
                                const at::Tensor& g, const at::Tensor& beta, double scale,
                                const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu,
                                const at::Tensor& dout, const std::optional<at::Tensor>& dfin) {
-  const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
-  check_cpu(op, "grad_o", dout);
-  check_cpu(op, "grad_final_state", dfin);
-  TORCH_CHECK(dout.sizes() == v.sizes(), op, ": grad_o must be shaped like o");
-  if (dfin.has_value()) check_float(op, "grad_final_state", *dfin);
-  const auto seqs = make_seqs(d, cu);
-  const int64_t N = static_cast<int64_t>(seqs.size());
-  at::Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
-  auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dqe = at::empty({d.B, d.T, d.HV, d.K}, f32), dke = at::empty({d.B, d.T, d.HV, d.K}, f32);
-  at::Tensor dv = at::empty_like(v), dg = at::empty_like(g), dbeta = at::empty_like(beta);
-  at::Tensor dh0 = at::empty({N, d.HV, d.K, d.V}, f32);
-  dispatch_io(q.scalar_type(), op, [&](auto tag) {
-    using T = decltype(tag);
-    chunk_bwd_impl<T, PC>(q, k, v, g, beta, scale, h0, dout_c, dfin, seqs, d, dqe, dke, dv, dg, dbeta, dh0);
-  });
-  if (cu.has_value()) {
-    for (at::Tensor* x : {&dqe, &dke, &dv, &dg, &dbeta}) zero_uncovered(seqs, d, *x);
-  }
-  auto red = [&](const at::Tensor& x, at::ScalarType dt) {
-    return d.G == 1 ? x.to(dt) : x.view({d.B, d.T, d.H, d.G, d.K}).sum(3).to(dt);
-  };
-  return {red(dqe, q.scalar_type()), red(dke, k.scalar_type()), dv, dg, dbeta, dh0};
+  return bwd_entry<PC>(op, q, k, v, g, beta, h0, cu, dout, dfin,
+                       [&](auto tag, const at::Tensor& dout_c, const std::vector<Seq>& seqs, const Dims& d,
+                           at::Tensor& dqe, at::Tensor& dke, at::Tensor& dv, at::Tensor& dg, at::Tensor& dbeta,
+                           at::Tensor& dh0) {
+                         using T = decltype(tag);
+                         chunk_bwd_impl<T, PC>(q, k, v, g, beta, scale, h0, dout_c, dfin, seqs, d, dqe, dke, dv, dg,
+                                               dbeta, dh0);
+                       });
 }
 
 }  // namespace kda_kernels::cpu

@@ -236,4 +236,36 @@ inline float* scratch(std::vector<float>& buf, size_t n) {
   return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
+// The part of every backward entry point that does not depend on the algorithm: checks of grad_o and
+// grad_final_state, the output buffers (dq, dk per value head in fp32), zeros for tokens outside every varlen
+// sequence, and the sum of the expanded q/k heads onto their H heads in the input dtype. `impl(tag, dout, seqs,
+// d, dqe, dke, dv, dg, dbeta, dh0)` runs the algorithm for the input type of `tag`, with grad_o in q's dtype.
+template <bool PC, typename Impl>
+DeltaBwdResult bwd_entry(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, const std::optional<at::Tensor>& h0,
+                         const std::optional<at::Tensor>& cu, const at::Tensor& dout,
+                         const std::optional<at::Tensor>& dfin, Impl&& impl) {
+  const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
+  check_cpu(op, "grad_o", dout);
+  check_cpu(op, "grad_final_state", dfin);
+  TORCH_CHECK(dout.sizes() == v.sizes(), op, ": grad_o must be shaped like o");
+  if (dfin.has_value()) check_float(op, "grad_final_state", *dfin);
+  const auto seqs = make_seqs(d, cu);
+  const int64_t N = static_cast<int64_t>(seqs.size());
+  at::Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dqe = at::empty({d.B, d.T, d.HV, d.K}, f32), dke = at::empty({d.B, d.T, d.HV, d.K}, f32);
+  at::Tensor dv = at::empty_like(v), dg = at::empty_like(g), dbeta = at::empty_like(beta);
+  at::Tensor dh0 = at::empty({N, d.HV, d.K, d.V}, f32);
+  dispatch_io(q.scalar_type(), op,
+              [&](auto tag) { impl(tag, dout_c, seqs, d, dqe, dke, dv, dg, dbeta, dh0); });
+  if (cu.has_value()) {
+    for (at::Tensor* x : {&dqe, &dke, &dv, &dg, &dbeta}) zero_uncovered(seqs, d, *x);
+  }
+  auto reduce_heads = [&](const at::Tensor& x, at::ScalarType dtype) {
+    return d.G == 1 ? x.to(dtype) : x.view({d.B, d.T, d.H, d.G, d.K}).sum(3).to(dtype);
+  };
+  return {reduce_heads(dqe, q.scalar_type()), reduce_heads(dke, k.scalar_type()), dv, dg, dbeta, dh0};
+}
+
 }  // namespace kda_kernels::cpu

@@ -534,37 +534,19 @@ void recurrent_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   });
 }
 
-// Sums the gradients of expanded q/k heads [B,T,HV,K] (fp32) onto their H heads, in the input dtype.
-inline at::Tensor reduce_heads(const at::Tensor& x, const Dims& d, at::ScalarType dtype) {
-  if (d.G == 1) return x.to(dtype);
-  return x.view({d.B, d.T, d.H, d.G, d.K}).sum(3).to(dtype);
-}
-
 template <bool PC>
 DeltaBwdResult recurrent_bwd_entry(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const at::Tensor& g, const at::Tensor& beta, double scale,
-                                    const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu,
-                                    const at::Tensor& dout, const std::optional<at::Tensor>& dfin) {
-  const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
-  check_cpu(op, "grad_o", dout);
-  check_cpu(op, "grad_final_state", dfin);
-  TORCH_CHECK(dout.sizes() == v.sizes(), op, ": grad_o must be shaped like o");
-  if (dfin.has_value()) check_float(op, "grad_final_state", *dfin);
-  const auto seqs = make_seqs(d, cu);
-  const int64_t N = static_cast<int64_t>(seqs.size());
-  at::Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
-  auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dqe = at::empty({d.B, d.T, d.HV, d.K}, f32), dke = at::empty({d.B, d.T, d.HV, d.K}, f32);
-  at::Tensor dv = at::empty_like(v), dg = at::empty_like(g), dbeta = at::empty_like(beta);
-  at::Tensor dh0 = at::empty({N, d.HV, d.K, d.V}, f32);
-  dispatch_io(q.scalar_type(), op, [&](auto tag) {
-    using T = decltype(tag);
-    recurrent_bwd_impl<T, PC>(q, k, v, g, beta, scale, h0, dout_c, dfin, seqs, d, dqe, dke, dv, dg, dbeta, dh0);
-  });
-  if (cu.has_value()) {
-    for (at::Tensor* x : {&dqe, &dke, &dv, &dg, &dbeta}) zero_uncovered(seqs, d, *x);
-  }
-  return {reduce_heads(dqe, d, q.scalar_type()), reduce_heads(dke, d, k.scalar_type()), dv, dg, dbeta, dh0};
+                                   const at::Tensor& g, const at::Tensor& beta, double scale,
+                                   const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu,
+                                   const at::Tensor& dout, const std::optional<at::Tensor>& dfin) {
+  return bwd_entry<PC>(op, q, k, v, g, beta, h0, cu, dout, dfin,
+                       [&](auto tag, const at::Tensor& dout_c, const std::vector<Seq>& seqs, const Dims& d,
+                           at::Tensor& dqe, at::Tensor& dke, at::Tensor& dv, at::Tensor& dg, at::Tensor& dbeta,
+                           at::Tensor& dh0) {
+                         using T = decltype(tag);
+                         recurrent_bwd_impl<T, PC>(q, k, v, g, beta, scale, h0, dout_c, dfin, seqs, d, dqe, dke, dv, dg,
+                                                   dbeta, dh0);
+                       });
 }
 
 }  // namespace kda_kernels::cpu
