@@ -11,23 +11,16 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_chunk_fwd import mk  # noqa: E402
 from cuda_variant import load_cuda_variant  # noqa: E402
 
 
 def inputs(family, B, T, H, HV, K, V):
-    torch.manual_seed(0)
-    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(B, T, HV, K if family == "kda" else 1, device="cuda")) / 8
-    g = g if family == "kda" else g[..., 0]
-    beta = torch.rand(B, T, HV, device="cuda")
-    do = torch.randn_like(v)
-    dht = torch.randn(B, HV, K, V, device="cuda")
-    return q, k, v, g.contiguous(), beta, do, dht
+    """The chunked benchmarks' inputs (bench_chunk_fwd.mk), plus grad_o and grad_final_state for the backward."""
+    q, k, v, g, beta = mk(B, T, H, HV, K, V, family == "kda")
+    return q, k, v, g, beta, torch.randn_like(v), torch.randn(B, HV, K, V, device=v.device)
 
 
 def calls(ops, family, xs, K):
