@@ -52,16 +52,9 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   cb::Params p{};
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.grad_o = grad_o.data_ptr();
   p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
-  if (initial_state.has_value()) {
-    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
-                "] initial_state must be contiguous float32");
-    p.h0 = initial_state->data_ptr<float>();
-  }
-  at::Tensor dht;
-  if (grad_final_state.has_value() && grad_final_state->defined()) {
-    dht = grad_final_state->to(at::kFloat).contiguous();
-    p.dht = dht.data_ptr<float>();
-  }
+  p.h0 = initial_state_data(op, initial_state);
+  at::Tensor dht;  // holds a converted copy of grad_final_state alive
+  p.dht = grad_state_data(grad_final_state, dht);
   p.cu = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
   p.in_dtype = in_dtype_of(q, op);
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;

@@ -46,6 +46,21 @@ inline int kmax_for(int K, const char* op) {
   return K <= 128 ? 128 : 256;
 }
 
+// initial_state's data, nullptr without one; the kernels read it as contiguous float32 [N, HV, K, V].
+inline const float* initial_state_data(const char* op, const std::optional<at::Tensor>& initial_state) {
+  if (!initial_state.has_value()) return nullptr;
+  TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
+              "] initial_state must be contiguous float32");
+  return initial_state->data_ptr<float>();
+}
+
+// grad_final_state as contiguous float32 (`keep` holds a converted copy alive), nullptr without one.
+inline const float* grad_state_data(const std::optional<at::Tensor>& grad_final_state, at::Tensor& keep) {
+  if (!grad_final_state.has_value() || !grad_final_state->defined()) return nullptr;
+  keep = grad_final_state->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 struct Shapes {
   int B, T, H, K, HV, V, N;
 };
@@ -150,11 +165,7 @@ DeltaFwdResult recurrent_fwd(const char* op, const at::Tensor& q, const at::Tens
   at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
   at::Tensor final_state = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
   FwdParams p = make_fwd_params(q, k, v, g, beta, scale, cu, s, o, op);
-  if (initial_state.has_value()) {
-    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
-                "] initial_state must be contiguous float32");
-    p.s_in = initial_state->data_ptr();
-  }
+  p.s_in = initial_state_data(op, initial_state);
   p.s_out = final_state.data_ptr();
   p.serve = false;
   p.vec = (s.V % 4 == 0) && reinterpret_cast<uintptr_t>(p.s_out) % 16 == 0 &&
@@ -268,16 +279,9 @@ DeltaBwdResult recurrent_bwd(const char* op, const at::Tensor& q, const at::Tens
   BwdParams p{};
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
   p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>(); p.grad_o = grad_o.data_ptr();
-  if (initial_state.has_value()) {
-    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous(), "[", op,
-                "] initial_state must be contiguous float32");
-    p.h0 = initial_state->data_ptr<float>();
-  }
-  at::Tensor dht;
-  if (grad_final_state.has_value() && grad_final_state->defined()) {
-    dht = grad_final_state->to(at::kFloat).contiguous();
-    p.dht = dht.data_ptr<float>();
-  }
+  p.h0 = initial_state_data(op, initial_state);
+  at::Tensor dht;  // holds a converted copy of grad_final_state alive
+  p.dht = grad_state_data(grad_final_state, dht);
   p.in_dtype = in_dtype_of(q, op);
   p.cu_seqlens = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
