@@ -108,6 +108,16 @@ struct ChunkPos {
   int64_t row0;  // flattened token index of the chunk's first token
 };
 
+// Chunk c of sequence n, whose tokens are [bos, bos + len).
+__device__ __forceinline__ ChunkPos seq_chunk(int n, int c, int64_t bos, int len) {
+  ChunkPos cp;
+  cp.n = n;
+  cp.c = c;
+  cp.Cc = min(CH, len - c * CH);
+  cp.row0 = bos + c * CH;
+  return cp;
+}
+
 __device__ __forceinline__ bool chunk_pos(const Params& p, int cid, ChunkPos& cp) {
   if (cid >= p.chunk_off[p.N]) return false;
   int lo = 0, hi = p.N - 1;  // last n with chunk_off[n] <= cid
@@ -120,11 +130,7 @@ __device__ __forceinline__ bool chunk_pos(const Params& p, int cid, ChunkPos& cp
   int64_t bos;
   int len;
   seq_bounds(p.cu, lo, p.T, bos, len);
-  cp.n = lo;
-  cp.c = cid - p.chunk_off[lo];
-  const int c0 = cp.c * CH;
-  cp.Cc = min(CH, len - c0);
-  cp.row0 = bos + c0;
+  cp = seq_chunk(lo, cid - p.chunk_off[lo], bos, len);
   return true;
 }
 
@@ -293,6 +299,32 @@ __device__ __forceinline__ void decay_rows(const Params& p, const ChunkPos& cp, 
   }
 }
 
+// Columns v0 .. v0 + VS of a [K, V] state (nullptr: zeros) into the block's [KP][VS] tile, zeros outside K x V.
+__device__ __forceinline__ void load_state_cols(float* tile, const float* src, int K, int V, int v0) {
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
+  for (int i = threadIdx.x; i < KP * VS; i += NT) {
+    const int c = i / VS, v = v0 + i % VS;
+    tile[i] = (src != nullptr && c < K && v < V) ? src[static_cast<int64_t>(c) * V + v] : 0.f;
+  }
+}
+
+// The tile back into columns v0 .. v0 + VS of a [K, V] state.
+__device__ __forceinline__ void store_state_cols(float* dst, const float* tile, int K, int V, int v0) {
+  for (int i = threadIdx.x; i < KP * VS; i += NT) {
+    const int c = i / VS, v = v0 + i % VS;
+    if (c < K && v < V) dst[static_cast<int64_t>(c) * V + v] = tile[i];
+  }
+}
+
+// The chunk's rows of w [tokens, HV, K] into [CH][LDK], zeros past the chunk's tokens and past K.
+__device__ __forceinline__ void stage_w(float* w, const Params& p, const ChunkPos& cp, int hv) {
+  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
+  for (int i = threadIdx.x; i < CH * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    w[t * LDK + c] = (t < cp.Cc && c < p.K) ? p.w[((cp.row0 + t) * p.HV + hv) * p.K + c] : 0.f;
+  }
+}
+
 // smem: h [KP][VS], w, kend, abuf [CH][LDK], U [CH][VS], gl [KP]
 constexpr size_t kStateFwdSmem = (KP * VS + 3 * CH * LDK + CH * VS + KP) * sizeof(float);
 
@@ -308,32 +340,19 @@ __global__ void __launch_bounds__(NT) state_fwd_kernel(Params p) {
   float* abuf = gl + KP;
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
-  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
-  for (int i = tid; i < KP * VS; i += NT) {
-    const int c = i / VS, v = v0 + i % VS;
-    h[i] = (p.h0 != nullptr && c < K && v < V) ? p.h0[((static_cast<int64_t>(n) * p.HV + hv) * K + c) * V + v] : 0.f;
-  }
+  const int64_t nbase = (static_cast<int64_t>(n) * p.HV + hv) * K * V;
+  load_state_cols(h, p.h0 != nullptr ? p.h0 + nbase : nullptr, K, V, v0);
   const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
   for (int c = 0; c < nc; ++c) {
     const int cid = p.chunk_off[n] + c;
-    ChunkPos cp;
-    {
-      int64_t bos;
-      int len;
-      seq_bounds(p.cu, n, p.T, bos, len);
-      cp.n = n; cp.c = c; cp.Cc = min(CH, len - c * CH); cp.row0 = bos + c * CH;
-    }
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
     __syncthreads();
     const size_t sbase = (static_cast<size_t>(cid) * p.HV + hv) * K * V;
-    for (int i = tid; i < KP * VS; i += NT) {
-      const int cc = i / VS, v = v0 + i % VS;
-      if (cc < K && v < V) p.hs[sbase + static_cast<size_t>(cc) * V + v] = h[i];
-    }
-    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
-    for (int i = tid; i < CH * KP; i += NT) {
-      const int t = i / KP, cc = i % KP;
-      w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
-    }
+    store_state_cols(p.hs + sbase, h, K, V, v0);
+    stage_w(w, p, cp, hv);
     #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * VS; i += NT) {
       const int t = i / VS, v = v0 + i % VS;
@@ -372,27 +391,17 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
   const int tid = threadIdx.x;
   const int K = p.K, V = p.V;
   const int64_t nbase = (static_cast<int64_t>(n) * p.HV + hv) * K * V;
-  #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
-  for (int i = tid; i < KP * VS; i += NT) {
-    const int c = i / VS, v = v0 + i % VS;
-    dS[i] = (p.dht != nullptr && c < K && v < V) ? p.dht[nbase + static_cast<int64_t>(c) * V + v] : 0.f;
-  }
+  load_state_cols(dS, p.dht != nullptr ? p.dht + nbase : nullptr, K, V, v0);
   const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
   for (int c = nc - 1; c >= 0; --c) {
     const int cid = p.chunk_off[n] + c;
-    ChunkPos cp;
-    {
-      int64_t bos;
-      int len;
-      seq_bounds(p.cu, n, p.T, bos, len);
-      cp.n = n; cp.c = c; cp.Cc = min(CH, len - c * CH); cp.row0 = bos + c * CH;
-    }
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
     __syncthreads();
     const size_t sbase = (static_cast<size_t>(cid) * p.HV + hv) * K * V;
-    for (int i = tid; i < KP * VS; i += NT) {
-      const int cc = i / VS, v = v0 + i % VS;
-      if (cc < K && v < V) p.dhs[sbase + static_cast<size_t>(cc) * V + v] = dS[i];
-    }
+    store_state_cols(p.dhs + sbase, dS, K, V, v0);
     const size_t abase = (static_cast<size_t>(cid) * p.HV + hv) * CH * CH;
     #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
     for (int i = tid; i < CH * CH; i += NT) aqk[i] = p.aqk[abase + i];
@@ -403,11 +412,7 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
                    ? p.scale * load_in(p.grad_o, ((cp.row0 + t) * p.HV + hv) * V + v, p.in_dtype)
                    : 0.f;
     }
-    #pragma unroll 8  // independent global loads in flight together (one block per SM hides little latency)
-    for (int i = tid; i < CH * KP; i += NT) {
-      const int t = i / KP, cc = i % KP;
-      w[t * LDK + cc] = (t < cp.Cc && cc < K) ? p.w[((cp.row0 + t) * p.HV + hv) * K + cc] : 0.f;
-    }
+    stage_w(w, p, cp, hv);
     decay_rows<PC, true>(p, cp, hv, kend, qg, abuf, gl);
     __syncthreads();
     bgemm<false>(CH, VS, CH, 1.f, aqk, 1, CH, dos, VS, 1, dU, VS);   // dU = A_qk^T dO
@@ -423,10 +428,7 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
     bgemm<true>(KP, VS, CH, -1.f, w, 1, LDK, dU, VS, 1, dS, VS);   //       - w^T dU
   }
   __syncthreads();
-  for (int i = tid; i < KP * VS; i += NT) {
-    const int c = i / VS, v = v0 + i % VS;
-    if (c < K && v < V) p.dh0[nbase + static_cast<int64_t>(c) * V + v] = dS[i];
-  }
+  store_state_cols(p.dh0 + nbase, dS, K, V, v0);
 }
 
 // ------------------------------------------------------------------------------------------------ grad
