@@ -139,6 +139,16 @@ __device__ __forceinline__ void mma8(float* c, const float4& a, float b0, float 
   mma_tf32_raw(c, ah0, ah1, ah2, ah3, bh0, bh1);
 }
 
+// One k-step against every 8-column tile of a row-major shared-memory tile B (row stride ld):
+// acc[nt] += a * B[k0 .. k0 + 8][8 nt .. 8 nt + 8], with a the 16 x 8 A fragment of this k-step.
+template <bool PRECISE, int N8>
+__device__ __forceinline__ void mma_row_tiles(float (&acc)[N8][4], const float4& a, const float* B, int ld, int k0,
+                                              int t4, int gq) {
+#pragma unroll
+  for (int nt = 0; nt < N8; ++nt)
+    mma8<PRECISE>(acc[nt], a, B[(k0 + t4) * ld + nt * 8 + gq], B[(k0 + t4 + 4) * ld + nt * 8 + gq]);
+}
+
 // Global chunk -> (sequence, first token, tokens in chunk). Returns false for a slot past the last chunk.
 __device__ __forceinline__ bool chunk_coords(const ChunkFwdParams& p, int cid, int64_t& tok0, int& L) {
   int n, i;
@@ -674,12 +684,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mma8<PRECISE>(acc[nt], wa[ks], hs[(ks * 8 + t4) * LDH + nt * 8 + gq],
-                      hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
-    }
+    for (int ks = 0; ks < KP / 8; ++ks) mma_row_tiles<PRECISE>(acc, wa[ks], hs, LDH, ks * 8, t4, gq);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -696,20 +701,10 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        mma8<PRECISE>(acc[nt], qa[ks], hs[(ks * 8 + t4) * LDH + nt * 8 + gq],
-                      hs[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
-    }
+    for (int ks = 0; ks < KP / 8; ++ks) mma_row_tiles<PRECISE>(acc, qa[ks], hs, LDH, ks * 8, t4, gq);
 #pragma unroll
     for (int ks = 0; ks < kChunk / 8; ++ks) {
-      if (ks < 2 * wi + 2) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma8<PRECISE>(acc[nt], aa[ks], Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
-                        Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
-      }
+      if (ks < 2 * wi + 2) mma_row_tiles<PRECISE>(acc, aa[ks], Us, LDH, ks * 8, t4, gq);
     }
     if (ci + 1 < nch) load_w(ci + 1);
 #pragma unroll
@@ -733,12 +728,8 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
         hacc[mt][nt][3] *= d1;
       }
 #pragma unroll
-      for (int ks = 0; ks < kChunk / 8; ++ks) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma8<PRECISE>(hacc[mt][nt], ka[mt * (kChunk / 8) + ks], Us[(ks * 8 + t4) * LDH + nt * 8 + gq],
-                        Us[(ks * 8 + t4 + 4) * LDH + nt * 8 + gq]);
-      }
+      for (int ks = 0; ks < kChunk / 8; ++ks)
+        mma_row_tiles<PRECISE>(hacc[mt], ka[mt * (kChunk / 8) + ks], Us, LDH, ks * 8, t4, gq);
     }
     __syncthreads();
     store_h();
