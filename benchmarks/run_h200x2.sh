@@ -3,21 +3,13 @@
 #   build the CUDA variant (sm_90) -> CUDA tests on GPU 1 while the chunked fwd / bwd benchmarks run on GPU 0
 #   -> the context-parallel benchmark on both GPUs (NCCL, NVLink multicast off), with its CP == one-rank check.
 # Carries flash-linear-attention 0.6.0 as wheels in .whl/ (carry=[".whl"]). Phase time limits are env vars.
-set -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/kda_out}; mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
 { date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
   python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } >> "$LOG" 2>&1
-t0=$(date +%s)
-TORCH_CUDA_ARCH_LIST=9.0 KDA_CUDA_PTXAS_VERBOSE=1 timeout ${BUILD_TIMEOUT:-150} python3 scripts/build.py \
-  --backends cuda --jobs 32 > "$OUT/build.log" 2>&1 || { echo BUILD FAILED; tail -30 "$OUT/build.log"; exit 1; }
-echo "== build took $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-150} build_cuda 32
+echo "== build took ${BUILD_S}s" >> "$LOG"
 # GPU 1: every CUDA test file (junit names each test)
 ( CUDA_VISIBLE_DEVICES=1 timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -n 12 -p no:cacheprovider \
     tests/test_cuda_backend.py tests/test_cuda_chunk_fwd.py tests/test_cuda_chunk_bwd.py \
