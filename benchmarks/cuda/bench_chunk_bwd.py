@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from bench_chunk_fwd import mk as mk_inputs
 from cuda_variant import load_cuda_variant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +38,8 @@ def load_ours():
 
 
 def mk(B, T, H, HV, K, V, kda):
-    q = torch.randn(B, T, H, K, device=DEV, dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
-    gshape = (B, T, HV, K) if kda else (B, T, HV)
-    g = F.logsigmoid(torch.randn(*gshape, device=DEV)) / 8
-    beta = torch.rand(B, T, HV, device=DEV)
-    return [x.requires_grad_(True) for x in (q, k, v, g.float(), beta)]
+    """The chunked forward benchmark's inputs, as leaves that require grad."""
+    return [x.requires_grad_(True) for x in mk_inputs(B, T, H, HV, K, V, kda)]
 
 
 def timed(fn, graphs=True):
