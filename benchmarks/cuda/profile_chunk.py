@@ -7,6 +7,7 @@ Nsight Compute. B=1 T=8192 H=16 HV=32 K=V=128 bf16 unless told otherwise.
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
+    ap.add_argument("--bwd-state-v1", action="store_true",
+                    help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -62,6 +65,10 @@ def main():
     for family in ("kda", "gdn"):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items()}
+        if args.bwd_state_v1:  # the host reads the knob on every call
+            os.environ["KDA_CUDA_CHUNK_BWD_STATE"] = "1"
+            res[family]["bwd_state_v1"] = kernel_times(fns["bwd"])
+            del os.environ["KDA_CUDA_CHUNK_BWD_STATE"]
     print(json.dumps(res, indent=1))
 
 

@@ -53,6 +53,10 @@ struct Params {
   float *w;          // [tokens, HV, K]
   float *u, *U, *dU; // [tokens, HV, V]
   float *hs, *dhs;   // [chunks, HV, K, V]: state at each chunk start, dL/dstate at each chunk end
+  // state kernels v2 (nullptr: v1, the kernels that rescan the decays themselves): per (chunk, value head),
+  // padded to CH x KP with zeros, written by prep: w (then p.w is not written; grad reads wc), K Eend, Q Gam,
+  // and Gam_last [chunks, HV, KP]
+  float *wc, *kendc, *qgc, *glc;  // [chunks, HV, CH, KP] (glc: [chunks, HV, KP])
   // outputs
   float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host)
   float *dbeta;         // [tokens, HV]
@@ -193,12 +197,23 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
     const float x = (t < cp.Cc && c < p.V) ? load_in(p.v, ((cp.row0 + t) * p.HV + hv) * p.V + c, p.in_dtype) : 0.f;
     X[t * W + c] = beta[t] * x;
   }
-  // Gam per channel (running product), X_w = beta k Gam
+  // Gam per channel (running product), X_w = beta k Gam. v2: also Q Gam, K Eend and Gam_last for the state
+  // kernels (the same running products the v1 state kernels form, so the same values), once per chunk and head.
+  const size_t cbase = (static_cast<size_t>(cid) * p.HV + hv) * CH * KP;
   if (tid < KP) {
     float gm = 1.f;
     for (int t = 0; t < CH; ++t) {
       gm *= a[t * KP + tid];
       X[t * W + VP + tid] = beta[t] * k[t * KP + tid] * gm;
+      if (p.qgc != nullptr) p.qgc[cbase + t * KP + tid] = q[t * KP + tid] * gm;
+    }
+    if (p.qgc != nullptr) {
+      p.glc[(static_cast<size_t>(cid) * p.HV + hv) * KP + tid] = gm;
+      float e = 1.f;
+      for (int t = CH - 1; t >= 0; --t) {
+        p.kendc[cbase + t * KP + tid] = k[t * KP + tid] * e;
+        e *= a[t * KP + tid];
+      }
     }
   }
   // A_qk, A_kk: warp per row t, lanes own channels lane + 32 i, E[t, j] by a running product down from t
@@ -263,9 +278,13 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
     const int t = i / VP, c = i % VP;
     if (c < p.V) p.u[((cp.row0 + t) * p.HV + hv) * p.V + c] = X[t * W + c];
   }
-  for (int i = tid; i < cp.Cc * KP; i += NT) {
-    const int t = i / KP, c = i % KP;
-    if (c < p.K) p.w[((cp.row0 + t) * p.HV + hv) * p.K + c] = X[t * W + VP + c];
+  if (p.wc != nullptr) {
+    for (int i = tid; i < CH * KP; i += NT) p.wc[cbase + i] = X[(i / KP) * W + VP + i % KP];  // zeros past Cc, K
+  } else {
+    for (int i = tid; i < cp.Cc * KP; i += NT) {
+      const int t = i / KP, c = i % KP;
+      if (c < p.K) p.w[((cp.row0 + t) * p.HV + hv) * p.K + c] = X[t * W + VP + c];
+    }
   }
 }
 
@@ -431,6 +450,315 @@ __global__ void __launch_bounds__(NT) state_bwd_kernel(Params p) {
   store_state_cols(p.dh0 + nbase, dS, K, V, v0);
 }
 
+// ------------------------------------------------------------------------------------------------ state kernels v2
+// The same recurrences as state_fwd / state_bwd above, restructured for latency (issue #7, session 4):
+//  - the decay products (K Eend, Q Gam, Gam_last) and w come from prep, once per (chunk, head), padded to
+//    CH x KP with zeros: no exp, no serial per-channel scan, no bounds checks in the sequential loop;
+//  - chunk c's operands are split in two groups, A (v1 fwd: w; bwd: A_qk, K Eend) used by the step's first
+//    contraction and B (fwd: K Eend, Gam_last; bwd: Q Gam, w, Gam_last) used by the second; each group is copied
+//    with cp.async while the other group's contraction runs (A of the next chunk during B's, B during A's), and
+//    the next chunk's u / dO tile is loaded into registers at the start of the step;
+//  - 512 threads, the state tile (KP x 32 columns) in registers (8 values per thread: 2 rows x 4 columns), a
+//    copy in shared memory for the contraction over K; register-tiled contractions (1 row x 4 columns for the
+//    CH x 32 tile, 2 rows x 4 columns for the state) with float2 / float4 shared-memory reads.
+// All fp32, every decay factor a running product of a_i <= 1 (formed in prep exactly as v1 formed it).
+constexpr int NT2 = 512;
+constexpr int LDK4 = KP + 4;  // row stride of the K-wide tiles: 16-byte rows, 4 rows of a warp on distinct banks
+
+__device__ __forceinline__ void cpa16(float* smem, const float* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cpa_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cpa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// A padded CH x KP chunk tile (global row stride KP) into shared memory rows of stride LDK4.
+__device__ __forceinline__ void cpa_ktile(float* dst, const float* src) {
+  for (int i = threadIdx.x; i < CH * (KP / 4); i += NT2) {
+    const int t = i / (KP / 4), c = (i % (KP / 4)) * 4;
+    cpa16(dst + t * LDK4 + c, src + t * KP + c);
+  }
+}
+
+// n contiguous floats (n a multiple of 4, 16-byte aligned both sides).
+__device__ __forceinline__ void cpa_flat(float* dst, const float* src, int n) {
+  for (int i = threadIdx.x * 4; i < n; i += NT2 * 4) cpa16(dst + i, src + i);
+}
+
+// The thread's state values: rows i0, i0 + 1 (i0 = 8 warp + 2 (lane / 8)), columns c0 .. c0 + 3 (c0 = 4 (lane % 8))
+// of the block's KP x VS tile. Columns v0 + c0 + e of a [K, V] state.
+__device__ __forceinline__ void load_state_regs(float (&s)[2][4], const float* src, int K, int V, int i0, int vc) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      s[r][e] = (src != nullptr && i0 + r < K && vc + e < V) ? src[static_cast<int64_t>(i0 + r) * V + vc + e] : 0.f;
+}
+
+// Into one of our own [K, V] buffers (16-byte aligned when V % 4 == 0).
+__device__ __forceinline__ void store_state_regs(float* dst, const float (&s)[2][4], int K, int V, int i0, int vc) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (i0 + r >= K) continue;
+    float* row = dst + static_cast<int64_t>(i0 + r) * V + vc;
+    if ((V & 3) == 0 && vc + 3 < V) {
+      *reinterpret_cast<float4*>(row) = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (vc + e < V) row[e] = s[r][e];
+    }
+  }
+}
+
+__device__ __forceinline__ void put_state_smem(float* tile, const float (&s)[2][4], int i0, int c0) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    *reinterpret_cast<float4*>(tile + (i0 + r) * VS + c0) = make_float4(s[r][0], s[r][1], s[r][2], s[r][3]);
+}
+
+// Row t, columns vc .. vc + 3 of a [tokens, HV, V] tensor (fp32 when dt < 0, else the input dtype dt); zeros
+// past the chunk's tokens and past V.
+__device__ __forceinline__ void load_row4(float (&x)[4], const void* src, int dt, const ChunkPos& cp, int hv, int HV,
+                                          int V, int t, int vc, float mul) {
+  const bool tok = t < cp.Cc;
+  const int64_t base = ((cp.row0 + t) * HV + hv) * V + vc;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float y = 0.f;
+    if (tok && vc + e < V) y = dt < 0 ? static_cast<const float*>(src)[base + e] : load_in(src, base + e, dt);
+    x[e] = mul * y;
+  }
+}
+
+__device__ __forceinline__ void store_row4(float* dst, const float (&x)[4], const ChunkPos& cp, int hv, int HV, int V,
+                                           int t, int vc) {
+  if (t >= cp.Cc) return;
+  float* row = dst + ((cp.row0 + t) * HV + hv) * V + vc;
+  if ((V & 3) == 0 && vc + 3 < V) {
+    *reinterpret_cast<float4*>(row) = make_float4(x[0], x[1], x[2], x[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (vc + e < V) row[e] = x[e];
+  }
+}
+
+// smem: w, kend [CH][LDK4], gl [KP], h [KP][VS], U [CH][VS]
+constexpr size_t kStateFwd2Smem = (2 * CH * LDK4 + KP + KP * VS + CH * VS) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT2, 1) state_fwd2_kernel(Params p) {
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  extern __shared__ __align__(16) float sm[];
+  float* w = sm;
+  float* kend = w + CH * LDK4;
+  float* gl = kend + CH * LDK4;
+  float* h = gl + KP;
+  float* Us = h + KP * VS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int rt = tid >> 3, c0 = 4 * (tid & 7);         // CH x VS tile: row rt, columns c0 .. c0 + 3
+  const int i0 = 8 * warp + 2 * (lane >> 3);           // state: rows i0, i0 + 1, columns c0 .. c0 + 3
+  const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+  float S[2][4];
+  load_state_regs(S, p.h0 != nullptr ? p.h0 + nbase : nullptr, K, V, i0, v0 + c0);
+  put_state_smem(h, S, i0, c0);
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  const int off = p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  auto issue_b = [&](int cid) {
+    cpa_ktile(kend, p.kendc + tile(cid));
+    cpa_flat(gl, p.glc + (static_cast<size_t>(cid) * HV + hv) * KP, KP);
+  };
+  float ucur[4] = {0.f, 0.f, 0.f, 0.f}, unext[4] = {0.f, 0.f, 0.f, 0.f};
+  if (nc > 0) {
+    cpa_ktile(w, p.wc + tile(off));
+    cpa_commit();
+    issue_b(off);
+    cpa_commit();
+    load_row4(ucur, p.u, -1, seq_chunk(n, 0, bos, len), hv, HV, V, rt, v0 + c0, 1.f);
+  }
+  for (int c = 0; c < nc; ++c) {
+    const int cid = off + c;
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+    store_state_regs(p.hs + (static_cast<size_t>(cid) * HV + hv) * K * V, S, K, V, i0, v0 + c0);
+    if (c + 1 < nc) load_row4(unext, p.u, -1, seq_chunk(n, c + 1, bos, len), hv, HV, V, rt, v0 + c0, 1.f);
+    cpa_wait<1>();  // w of chunk c
+    __syncthreads();
+    {  // U = u - w S0 (row rt)
+      float acc[4] = {ucur[0], ucur[1], ucur[2], ucur[3]};
+      const float* wr = w + rt * LDK4;
+#pragma unroll 4
+      for (int i = 0; i < KP; i += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(wr + i);
+        const float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float4 b = *reinterpret_cast<const float4*>(h + (i + k) * VS + c0);
+          acc[0] = fmaf(-av[k], b.x, acc[0]);
+          acc[1] = fmaf(-av[k], b.y, acc[1]);
+          acc[2] = fmaf(-av[k], b.z, acc[2]);
+          acc[3] = fmaf(-av[k], b.w, acc[3]);
+        }
+      }
+      *reinterpret_cast<float4*>(Us + rt * VS + c0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      store_row4(p.U, acc, cp, hv, HV, V, rt, v0 + c0);
+    }
+    cpa_wait<0>();  // K Eend, Gam_last of chunk c
+    __syncthreads();
+    if (c + 1 < nc) cpa_ktile(w, p.wc + tile(cid + 1));
+    cpa_commit();
+    {  // S1 = Gam_last S0 + (K Eend)^T U
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[r][e] *= gl[i0 + r];
+#pragma unroll 4
+      for (int t = 0; t < CH; ++t) {
+        const float2 a = *reinterpret_cast<const float2*>(kend + t * LDK4 + i0);
+        const float4 b = *reinterpret_cast<const float4*>(Us + t * VS + c0);
+        S[0][0] = fmaf(a.x, b.x, S[0][0]);
+        S[0][1] = fmaf(a.x, b.y, S[0][1]);
+        S[0][2] = fmaf(a.x, b.z, S[0][2]);
+        S[0][3] = fmaf(a.x, b.w, S[0][3]);
+        S[1][0] = fmaf(a.y, b.x, S[1][0]);
+        S[1][1] = fmaf(a.y, b.y, S[1][1]);
+        S[1][2] = fmaf(a.y, b.z, S[1][2]);
+        S[1][3] = fmaf(a.y, b.w, S[1][3]);
+      }
+      put_state_smem(h, S, i0, c0);  // (h is read only in the first contraction, before the barrier above)
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ucur[e] = unext[e];
+    __syncthreads();
+    if (c + 1 < nc) issue_b(cid + 1);
+    cpa_commit();
+  }
+}
+
+// smem: aqk [CH][CH], kend, qg, w [CH][LDK4], gl [KP], dS [KP][VS], dos, dU [CH][VS]
+constexpr size_t kStateBwd2Smem = (CH * CH + 3 * CH * LDK4 + KP + KP * VS + 2 * CH * VS) * sizeof(float);
+
+template <bool PC>
+__global__ void __launch_bounds__(NT2, 1) state_bwd2_kernel(Params p) {
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  extern __shared__ __align__(16) float sm[];
+  float* aqk = sm;
+  float* kend = aqk + CH * CH;
+  float* qg = kend + CH * LDK4;
+  float* w = qg + CH * LDK4;
+  float* gl = w + CH * LDK4;
+  float* dS = gl + KP;
+  float* dos = dS + KP * VS;
+  float* dUs = dos + CH * VS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int rt = tid >> 3, c0 = 4 * (tid & 7);
+  const int i0 = 8 * warp + 2 * (lane >> 3);
+  const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+  float S[2][4];
+  load_state_regs(S, p.dht != nullptr ? p.dht + nbase : nullptr, K, V, i0, v0 + c0);
+  put_state_smem(dS, S, i0, c0);
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  const int off = p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  auto issue_a = [&](int cid) {
+    cpa_flat(aqk, p.aqk + (static_cast<size_t>(cid) * HV + hv) * CH * CH, CH * CH);
+    cpa_ktile(kend, p.kendc + tile(cid));
+  };
+  auto issue_b = [&](int cid) {
+    cpa_ktile(qg, p.qgc + tile(cid));
+    cpa_ktile(w, p.wc + tile(cid));
+    cpa_flat(gl, p.glc + (static_cast<size_t>(cid) * HV + hv) * KP, KP);
+  };
+  float dnext[4] = {0.f, 0.f, 0.f, 0.f};
+  if (nc > 0) {
+    issue_a(off + nc - 1);
+    cpa_commit();
+    issue_b(off + nc - 1);
+    cpa_commit();
+    load_row4(dnext, p.grad_o, p.in_dtype, seq_chunk(n, nc - 1, bos, len), hv, HV, V, rt, v0 + c0, p.scale);
+    *reinterpret_cast<float4*>(dos + rt * VS + c0) = make_float4(dnext[0], dnext[1], dnext[2], dnext[3]);
+  }
+  for (int c = nc - 1; c >= 0; --c) {
+    const int cid = off + c;
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+    store_state_regs(p.dhs + (static_cast<size_t>(cid) * HV + hv) * K * V, S, K, V, i0, v0 + c0);
+    if (c > 0) load_row4(dnext, p.grad_o, p.in_dtype, seq_chunk(n, c - 1, bos, len), hv, HV, V, rt, v0 + c0, p.scale);
+    cpa_wait<1>();  // A_qk, K Eend of chunk c
+    __syncthreads();
+    {  // dU = A_qk^T dO + (K Eend) dS1 (row rt; A_qk[j, rt] = 0 for j < rt, so j starts at the warp's first row)
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int j = 4 * warp; j < CH; ++j) {
+        const float a = aqk[j * CH + rt];
+        const float4 b = *reinterpret_cast<const float4*>(dos + j * VS + c0);
+        acc[0] = fmaf(a, b.x, acc[0]);
+        acc[1] = fmaf(a, b.y, acc[1]);
+        acc[2] = fmaf(a, b.z, acc[2]);
+        acc[3] = fmaf(a, b.w, acc[3]);
+      }
+      const float* kr = kend + rt * LDK4;
+#pragma unroll 4
+      for (int i = 0; i < KP; i += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(kr + i);
+        const float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float4 b = *reinterpret_cast<const float4*>(dS + (i + k) * VS + c0);
+          acc[0] = fmaf(av[k], b.x, acc[0]);
+          acc[1] = fmaf(av[k], b.y, acc[1]);
+          acc[2] = fmaf(av[k], b.z, acc[2]);
+          acc[3] = fmaf(av[k], b.w, acc[3]);
+        }
+      }
+      *reinterpret_cast<float4*>(dUs + rt * VS + c0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      store_row4(p.dU, acc, cp, hv, HV, V, rt, v0 + c0);
+    }
+    cpa_wait<0>();  // Q Gam, w, Gam_last of chunk c
+    __syncthreads();
+    if (c > 0) issue_a(cid - 1);
+    cpa_commit();
+    {  // dS0 = Gam_last dS1 + (Q Gam)^T dO - w^T dU
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[r][e] *= gl[i0 + r];
+#pragma unroll 4
+      for (int t = 0; t < CH; ++t) {
+        const float2 a = *reinterpret_cast<const float2*>(qg + t * LDK4 + i0);
+        const float2 m = *reinterpret_cast<const float2*>(w + t * LDK4 + i0);
+        const float4 b = *reinterpret_cast<const float4*>(dos + t * VS + c0);
+        const float4 d = *reinterpret_cast<const float4*>(dUs + t * VS + c0);
+        S[0][0] = fmaf(a.x, b.x, fmaf(-m.x, d.x, S[0][0]));
+        S[0][1] = fmaf(a.x, b.y, fmaf(-m.x, d.y, S[0][1]));
+        S[0][2] = fmaf(a.x, b.z, fmaf(-m.x, d.z, S[0][2]));
+        S[0][3] = fmaf(a.x, b.w, fmaf(-m.x, d.w, S[0][3]));
+        S[1][0] = fmaf(a.y, b.x, fmaf(-m.y, d.x, S[1][0]));
+        S[1][1] = fmaf(a.y, b.y, fmaf(-m.y, d.y, S[1][1]));
+        S[1][2] = fmaf(a.y, b.z, fmaf(-m.y, d.z, S[1][2]));
+        S[1][3] = fmaf(a.y, b.w, fmaf(-m.y, d.w, S[1][3]));
+      }
+      put_state_smem(dS, S, i0, c0);  // (dS is read only in the first contraction, before the barrier above)
+    }
+    __syncthreads();
+    if (c > 0) {
+      issue_b(cid - 1);
+      *reinterpret_cast<float4*>(dos + rt * VS + c0) = make_float4(dnext[0], dnext[1], dnext[2], dnext[3]);
+    }
+    cpa_commit();
+  }
+  store_state_regs(p.dh0 + nbase, S, K, V, i0, v0 + c0);
+}
+
 // ------------------------------------------------------------------------------------------------ grad
 // smem arena (floats): R0 [CH][KP] dQG -> dq, R1 [CH][KP] dKend -> dk, R2 [CH][W] dX -> dR (its u half later dg,
 // its w half later a), R3 [CH][CH] dA_qk, R4 [CH][CH] L -> dL -> dA_kk, R5 16K scratch (tiles; later q, k),
@@ -541,7 +869,8 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
           if (c < VP) {
             if (c < V) x = p.u[tok(t) * V + c];
           } else if (c - VP < K) {
-            x = p.w[tok(t) * K + c - VP];
+            x = p.wc != nullptr ? p.wc[(static_cast<size_t>(cid) * HV + hv) * CH * KP + t * KP + c - VP]
+                                : p.w[tok(t) * K + c - VP];
           }
         }
         Xt[t * TS + (i & 31)] = x;

@@ -41,7 +41,18 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   const int64_t nc1 = std::max<int64_t>(nc_max, 1);
   at::Tensor aqk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
   at::Tensor akk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
-  at::Tensor w = at::empty({std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
+  // state kernels: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_STATE=1: the kernels that rescan the decays per chunk
+  // step; kept to compare). v2 stores w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last.
+  const bool v2 = env_int("KDA_CUDA_CHUNK_BWD_STATE", 2) != 1;
+  const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
+  at::Tensor w = at::empty({v2 ? 1 : std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
+  at::Tensor wc, kendc, qgc, glc;
+  if (v2) {
+    wc = at::empty({ctile}, f32);
+    kendc = at::empty({ctile}, f32);
+    qgc = at::empty({ctile}, f32);
+    glc = at::empty({nc1 * s.HV * cb::KP}, f32);
+  }
   at::Tensor u = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
   at::Tensor U = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
   at::Tensor dU = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
@@ -63,6 +74,10 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   p.aqk = aqk.data_ptr<float>(); p.akk = akk.data_ptr<float>(); p.w = w.data_ptr<float>();
   p.u = u.data_ptr<float>(); p.U = U.data_ptr<float>(); p.dU = dU.data_ptr<float>();
   p.hs = hs.data_ptr<float>(); p.dhs = dhs.data_ptr<float>();
+  if (v2) {
+    p.wc = wc.data_ptr<float>(); p.kendc = kendc.data_ptr<float>(); p.qgc = qgc.data_ptr<float>();
+    p.glc = glc.data_ptr<float>();
+  }
   p.dq = dq.data_ptr<float>(); p.dk = dk.data_ptr<float>(); p.dg = dg.data_ptr<float>();
   p.dbeta = dbeta.data_ptr<float>(); p.dv = dv.data_ptr(); p.dh0 = dh0.data_ptr<float>();
 
@@ -75,6 +90,10 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                                         static_cast<int>(cb::kStateFwdSmem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_bwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kStateBwdSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_fwd2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kStateFwd2Smem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_bwd2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kStateBwd2Smem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kGradSmem)));
     attrs_set = true;
@@ -89,10 +108,17 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   }
   if (s.N > 0 && s.HV > 0) {
     const dim3 gseq(s.N, s.HV, nsl);
-    cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (v2) {
+      cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
