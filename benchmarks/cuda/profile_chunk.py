@@ -7,6 +7,7 @@ Nsight Compute. B=1 T=8192 H=16 HV=32 K=V=128 bf16 unless told otherwise.
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def kernel_times(fn, reps=5):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
+    ap.add_argument("--families", default="kda,gdn", help="comma-separated: kda, gdn")
+    ap.add_argument("--phases", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
@@ -58,10 +61,12 @@ def main():
         fn()
         torch.cuda.synchronize()
         return
-    res = {"gpu": torch.cuda.get_device_name(), "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V)}
-    for family in ("kda", "gdn"):
+    res = {"gpu": torch.cuda.get_device_name(), "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V),
+           "env": {k: v for k, v in os.environ.items() if k.startswith("KDA_CUDA_")}}
+    phases = args.phases.split(",")
+    for family in args.families.split(","):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
-        res[family] = {phase: kernel_times(fn) for phase, fn in fns.items()}
+        res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
     print(json.dumps(res, indent=1))
 
 
