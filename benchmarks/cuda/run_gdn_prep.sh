@@ -2,7 +2,8 @@
 # Session 4, one device call for the GDN-specific prep kernel (kernels_src/cuda/gdn_chunk_prep.cuh): build (sm_90),
 # tests/test_cuda_chunk_fwd.py + the chunked-forward cases of tests/test_cuda_backend.py, per-kernel times of the GDN
 # forward with the generic (KDA_CUDA_GDN_PREP=0) and the GDN prep (=1), then bench_chunk_fwd.py for GDN only, both
-# preps in one process, without fla (its Triton compile costs minutes). Everything under $OUT; each step timed out.
+# preps in one process, without fla (its Triton compile costs minutes). Everything under $OUT (at the end packed into
+# $OUT/results.tgz, with $OUT/build.log beside it); each step timed out.
 source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1;
   python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } > "$OUT/env.txt" 2>&1
@@ -29,3 +30,7 @@ if [ $SECONDS -lt ${NCU_BEFORE_S:-215} ] && command -v ncu >/dev/null; then
     python3 benchmarks/cuda/profile_chunk.py --once gdn_fwd > "$OUT/ncu_gdn_chunk_prep_details.txt" 2>&1
 fi
 echo "total ${SECONDS}s"
+# The run tool brings back only the first 8 files under $OUT (session 4: tests.xml, the second kernel-time JSON and
+# the ncu text were left out): everything but build.log goes into one archive.
+(cd "$OUT" && tar czf results.tgz --exclude=build.log --exclude=results.tgz . && find . -type f ! -name build.log \
+  ! -name results.tgz -delete)
