@@ -6,7 +6,9 @@ Needs a CUDA GPU (skipped with the reason otherwise). Covers random and correlat
 logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a multiple of the chunk (1, 63, 65,
 200), batches, varlen with empty sequences, GVA, initial state, K=V=128, K=V=64, odd K/V (40/30, padded to the
 64-wide path), V spanning several column tiles, fp32/bf16/fp16, T=2048, the fp32 workspace for bf16 inputs
-(KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph.
+(KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
+bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
+with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process.
 """
 import importlib.util
 import subprocess
@@ -151,3 +153,28 @@ def test_chunk_fwd_cuda_graph(family):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1",
+                                  "gva_4x", "kv64", "odd_kv", "cp_width_v256", "varlen", "varlen_extreme"])
+def test_gdn_prep_new_vs_old(case, dtype, ws, monkeypatch):
+    """The GDN prep kernel (default for bf16/fp16) against the generic prep kernel (KDA_CUDA_GDN_PREP=0): the
+    scan is the same, so o and the final state agree up to rounding (fp32 workspace: the final state to 1e-4;
+    o is rounded to the input dtype in both)."""
+    spec = dict(CASES[case])
+    cu_list = spec.get("cu")
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make("gdn", dtype=dtype, **spec)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    out = {}
+    for sel in ("0", "1"):
+        monkeypatch.setenv("KDA_CUDA_GDN_PREP", sel)
+        out[sel] = OPS.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, h0, cu)
+    (o0, s0), (o1, s1) = out["0"], out["1"]
+    assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
+    assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-4)

@@ -49,6 +49,8 @@ def kernel_times(fn, reps=5):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
+    ap.add_argument("--families", default="kda,gdn", help="comma-separated: kda, gdn")
+    ap.add_argument("--phases", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
@@ -61,11 +63,13 @@ def main():
         fn()
         torch.cuda.synchronize()
         return
-    res = {"gpu": torch.cuda.get_device_name(), "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V)}
-    for family in ("kda", "gdn"):
+    res = {"gpu": torch.cuda.get_device_name(), "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V),
+           "env": {k: v for k, v in os.environ.items() if k.startswith("KDA_CUDA_")}}
+    phases = args.phases.split(",")
+    for family in args.families.split(","):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
-        res[family] = {phase: kernel_times(fn) for phase, fn in fns.items()}
-        if args.bwd_state_v1:  # the host reads the knob on every call
+        res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
+        if args.bwd_state_v1 and "bwd" in phases:  # the host reads the knob on every call
             os.environ["KDA_CUDA_CHUNK_BWD_STATE"] = "1"
             res[family]["bwd_state_v1"] = kernel_times(fns["bwd"])
             del os.environ["KDA_CUDA_CHUNK_BWD_STATE"]

@@ -1,0 +1,412 @@
+// GDN-specific prep kernel of the chunked forward (scalar gate per token and value head), bf16/fp16 inputs.
+// Writes exactly the workspace delta_chunk_prep_kernel<PC=false> writes (WsLayout: w, q~, k~^T, A~, decay, u0;
+// same sections, fragment order and bf16/fp32 choice), so delta_chunk_scan_kernel is unchanged. fp32 inputs keep
+// the generic prep kernel (3xTF32 everywhere). KDA_CUDA_GDN_PREP=0 selects the generic kernel for GDN too.
+//
+// With a scalar gate the decay of a pair (t, j), j <= t, is the scalar e^{G_t - G_j} (G the chunk prefix of the
+// gate, a double prefix sum kept as hi + lo floats, so the exponent is a direct sum of the gates in between and
+// every factor is <= 1: gates of -1e4 give 0, never inf/NaN), and every product is a plain matrix product:
+//   S0  cp.async of q, k (and the first 128 columns of v) into 16-bit shared tiles (zero padded: rows >= L,
+//       columns >= K / V); warp 0 meanwhile: gates and beta, the double prefix scan (shuffles), e^{G_t},
+//       beta_t e^{G_last - G_t}, decay = e^{G_last}.
+//  S1  Q K^T and K K^T on tensor cores (mma.sync m16n8k16, bf16 or f16 in, fp32 accumulation), the 20 16x8 tiles
+//       on or below the diagonal, both products per tile; the decay and beta_j applied per element in fp32:
+//       scale A_qk Diag(beta) -> workspace (the accumulator rearranged to fragment order by shuffles),
+//       A_kk Diag(beta) (strictly lower) -> shared memory. The 12 upper tiles of A~ are written as zeros.
+//  S2  warps 0-3: the 16x16 diagonal blocks of T = (I + A_kk Diag(beta))^-1 (forward substitution, fp32, one
+//       column per lane); warps 4-7: q~ = scale q e^G -> workspace.
+//  S3  warps 0-1: T_10 and T_32 = -T_aa A_ab T_bb (3xTF32, about fp32); warps 2-7: k~^T -> workspace.
+//  S4  warps 0-1: the lower-left 32x32 of T = -T_D (A_L T_U) (3xTF32), one 16-column block each.
+//  S5  w = T (K e^G), u0 = T V on tensor cores (tf32 m16n8k8, as the generic kernel): one warp per 8 output
+//       columns, row block a over the k-blocks 0..a only; w rearranged to fragment order, u0 row-major.
+// Shared memory 88 KB at K = 128 (two blocks of 8 warps per SM; the generic kernel: 205 KB, one), 5 barriers.
+#pragma once
+
+#include <type_traits>
+
+#include "delta_chunk_fwd.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+
+constexpr int kGdnThreads = 256;
+constexpr int kGdnVB = 128;  // columns of V per u0 pass
+
+template <int KP>
+struct GdnPrepSmem {
+  static constexpr int LDH = KP + 8;      // 16-bit row stride of q / k (LDH / 2 = 4 mod 32 words: conflict-free)
+  static constexpr int LDV = kGdnVB + 8;  // 16-bit row stride of v
+  static constexpr int LDA = kChunk + 4;  // fp32 row stride of Ab and T (conflict-free A fragments)
+  static constexpr int LDY = 24;          // fp32 row stride of the 16x16 scratch blocks (conflict-free B fragments)
+  static constexpr size_t qs = 0;
+  static constexpr size_t ks = qs + 2 * kChunk * LDH;
+  static constexpr size_t vs = ks + 2 * kChunk * LDH;
+  static constexpr size_t ab = vs + 2 * kChunk * LDV;
+  static constexpr size_t ts = ab + 4 * kChunk * LDA;
+  static constexpr size_t gh = ts + 4 * kChunk * LDA;  // float2 (hi, lo) of the double prefix G_t
+  static constexpr size_t ea = gh + 8 * kChunk;        // e^{G_t}
+  static constexpr size_t ck = ea + 4 * kChunk;        // beta_t e^{G_last - G_t}
+  static constexpr size_t bs = ck + 4 * kChunk;        // beta_t
+  static constexpr size_t bytes = bs + 4 * kChunk;
+  static_assert(4 * 16 * LDY * 4 <= 2 * kChunk * LDH, "the S3/S4 scratch blocks live in the q tile");
+  static_assert(qs % 16 == 0 && ks % 16 == 0 && vs % 16 == 0 && ab % 16 == 0 && ts % 16 == 0 && gh % 16 == 0,
+                "16-byte aligned sections");
+};
+
+__device__ __forceinline__ void gdn_cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t sa = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void gdn_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// c += a * b on one 16x8x16 tile, 16-bit inputs (bf16 or f16), fp32 accumulation.
+template <typename T16>
+__device__ __forceinline__ void mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T16, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// A warp's 16x8 accumulator tile (c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1); g = lane / 4,
+// t = lane % 4) as the m16n8k8 A fragment of the same tile ({(g, t), (g+8, t), (g, t+4), (g+8, t+4)}): the
+// workspace's fragment order (frag_index). Element (r, c) sits in lane 4 (r & 7) + c / 2, register
+// (c & 1) + 2 (r >= 8).
+__device__ __forceinline__ float4 acc_to_afrag(const float (&c)[4], int lane) {
+  const int s1 = (lane & ~3) | ((lane & 3) >> 1), s2 = s1 + 2;
+  const bool odd = lane & 1;
+  const float x0 = __shfl_sync(0xffffffffu, c[0], s1), x1 = __shfl_sync(0xffffffffu, c[1], s1);
+  const float y0 = __shfl_sync(0xffffffffu, c[2], s1), y1 = __shfl_sync(0xffffffffu, c[3], s1);
+  const float z0 = __shfl_sync(0xffffffffu, c[0], s2), z1 = __shfl_sync(0xffffffffu, c[1], s2);
+  const float w0 = __shfl_sync(0xffffffffu, c[2], s2), w1 = __shfl_sync(0xffffffffu, c[3], s2);
+  return make_float4(odd ? x1 : x0, odd ? y1 : y0, odd ? z1 : z0, odd ? w1 : w0);
+}
+
+// Store tile-lane i of a workspace section in fragment order: one uint2 of 4 bf16 (half) or one float4.
+__device__ __forceinline__ void ws_put_frag(float* sec, int i, bool half, float4 a) {
+  if (half) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(a.x, a.y), hi = __floats2bfloat162_rn(a.z, a.w);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo);
+    u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(sec)[i] = u;
+  } else {
+    reinterpret_cast<float4*>(sec)[i] = a;
+  }
+}
+
+// Rows [0, 64) x columns [0, W) of a 16-bit shared tile (row stride ld) from src (row t at src + t * rs), zero
+// outside rows < L and columns < ncol. vec: 16-byte cp.async (src 16-byte aligned, rs and ncol multiples of 8);
+// otherwise element loads.
+template <int W>
+__device__ __forceinline__ void gdn_stage(uint16_t* dst, int ld, const uint16_t* src, int64_t rs, int L, int ncol,
+                                          bool vec, int tid) {
+  if (vec) {
+    constexpr int CPR = W / 8;
+#pragma unroll 4
+    for (int i = tid; i < kChunk * CPR; i += kGdnThreads) {
+      const int t = i / CPR, c = (i % CPR) * 8;
+      const bool ok = t < L && c < ncol;
+      gdn_cp_async16(dst + t * ld + c, ok ? src + t * rs + c : src, ok);
+    }
+  } else {
+    for (int i = tid; i < kChunk * W; i += kGdnThreads) {
+      const int t = i / W, c = i % W;
+      dst[t * ld + c] = (t < L && c < ncol) ? src[t * rs + c] : static_cast<uint16_t>(0);
+    }
+  }
+}
+
+// acc[nt] += A (16x16, row stride lda) * B (16x16, row stride ldb) on one warp, 3xTF32 (about fp32).
+__device__ __forceinline__ void warp_mm16(float (&acc)[2][4], const float* A, int lda, const float* B, int ldb,
+                                          int gq, int t4) {
+#pragma unroll
+  for (int k0 = 0; k0 < 16; k0 += 8) {
+    const float4 af = make_float4(A[gq * lda + k0 + t4], A[(gq + 8) * lda + k0 + t4], A[gq * lda + k0 + t4 + 4],
+                                  A[(gq + 8) * lda + k0 + t4 + 4]);
+    mma_row_tiles<true, 2>(acc, af, B, ldb, k0, t4, gq);
+  }
+}
+
+// Store sign * acc (a warp's 16x16 block, two 16x8 tiles) row-major at D (row stride ld).
+__device__ __forceinline__ void warp_store16(float* D, int ld, const float (&acc)[2][4], float sign, int gq, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) D[(gq + (e >> 1) * 8) * ld + nt * 8 + 2 * t4 + (e & 1)] = sign * acc[nt][e];
+}
+
+__device__ __forceinline__ void zero_acc(float (&acc)[2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+}
+
+// Row block a and 8-column tile nt of the 20 tiles on or below the diagonal of a 64x64 matrix (row block a has
+// the tiles 0 .. 2a+1; job numbers a (a+1) ..).
+__device__ __forceinline__ void lower_tile(int job, int& a, int& nt) {
+  a = job < 2 ? 0 : (job < 6 ? 1 : (job < 12 ? 2 : 3));
+  nt = job - a * (a + 1);
+}
+
+template <int KP, typename T16>
+__global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const ChunkFwdParams p) {
+  using SM = GdnPrepSmem<KP>;
+  constexpr int LDH = SM::LDH, LDV = SM::LDV, LDA = SM::LDA, LDY = SM::LDY;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + SM::qs);
+  uint16_t* Ks = reinterpret_cast<uint16_t*>(smem + SM::ks);
+  uint16_t* Vs = reinterpret_cast<uint16_t*>(smem + SM::vs);
+  float* Ab = reinterpret_cast<float*>(smem + SM::ab);
+  float* Ts = reinterpret_cast<float*>(smem + SM::ts);
+  float2* Gh = reinterpret_cast<float2*>(smem + SM::gh);
+  float* Ea = reinterpret_cast<float*>(smem + SM::ea);
+  float* Ck = reinterpret_cast<float*>(smem + SM::ck);
+  float* Bs = reinterpret_cast<float*>(smem + SM::bs);
+  float* Scr = reinterpret_cast<float*>(smem + SM::qs);  // S3/S4 scratch over the q tile (q is done after S2)
+
+  const int cid = blockIdx.x, hv = blockIdx.y;
+  int64_t tok0;
+  int L;
+  if (!chunk_coords(p, cid, tok0, L)) return;
+  const int h = hv / (p.HV / p.H);
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, t4 = lane & 3;
+  float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
+  const bool half = p.ws_bf16 != 0;
+  const WsLayout<KP> WL(half);
+  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
+
+  // ---- S0: q, k, v (first 128 columns) -> shared memory (cp.async, all in flight at once); gates on warp 0
+  const uint16_t* qg = static_cast<const uint16_t*>(p.q) + (tok0 * p.H + h) * K;
+  const uint16_t* kg = static_cast<const uint16_t*>(p.k) + (tok0 * p.H + h) * K;
+  const uint16_t* vg = static_cast<const uint16_t*>(p.v) + (tok0 * HV + hv) * V;
+  const bool vec_qk = (K % 8) == 0 && ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k)) & 15) == 0;
+  const bool vec_v = (V % 8) == 0 && (reinterpret_cast<uintptr_t>(p.v) & 15) == 0;
+  gdn_stage<KP>(Qs, LDH, qg, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
+  gdn_stage<KP>(Ks, LDH, kg, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
+  gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
+  if (warp == 0) {
+    const int t0 = 2 * lane;
+    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
+    if (t0 < L) {
+      g0 = __ldg(p.g + (tok0 + t0) * HV + hv);
+      b0 = __ldg(p.beta + (tok0 + t0) * HV + hv);
+    }
+    if (t0 + 1 < L) {
+      g1 = __ldg(p.g + (tok0 + t0 + 1) * HV + hv);
+      b1 = __ldg(p.beta + (tok0 + t0 + 1) * HV + hv);
+    }
+    double s = static_cast<double>(g0) + static_cast<double>(g1);
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const double o = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += o;
+    }
+    double ex = __shfl_up_sync(0xffffffffu, s, 1);
+    if (lane == 0) ex = 0.0;
+    const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
+    const double Gl = __shfl_sync(0xffffffffu, G1, 31);
+    Gh[t0] = split_hi_lo(G0);
+    Gh[t0 + 1] = split_hi_lo(G1);
+    Ea[t0] = __expf(static_cast<float>(G0));
+    Ea[t0 + 1] = __expf(static_cast<float>(G1));
+    Ck[t0] = b0 * __expf(static_cast<float>(Gl - G0));
+    Ck[t0 + 1] = b1 * __expf(static_cast<float>(Gl - G1));
+    Bs[t0] = b0;
+    Bs[t0 + 1] = b1;
+    const float dec = __expf(static_cast<float>(Gl));
+    for (int c = lane; c < KP; c += 32) ws[WL.decay + c] = dec;
+  }
+  gdn_cp_async_wait_all();
+  __syncthreads();
+
+  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16), decay and beta per element; upper A~ tiles = 0
+  {
+    const uint32_t* Q32 = reinterpret_cast<const uint32_t*>(Qs);
+    const uint32_t* K32 = reinterpret_cast<const uint32_t*>(Ks);
+    constexpr int LW = LDH / 2;  // row stride in 32-bit words
+    for (int job = warp; job < 20; job += kGdnThreads / 32) {
+      int a, nt;
+      lower_tile(job, a, nt);
+      float cq[4] = {0.f, 0.f, 0.f, 0.f}, ckk[4] = {0.f, 0.f, 0.f, 0.f};
+      const uint32_t* qa = Q32 + (a * kSub + gq) * LW + t4;
+      const uint32_t* ka = K32 + (a * kSub + gq) * LW + t4;
+      const uint32_t* kb = K32 + (nt * 8 + gq) * LW + t4;
+#pragma unroll
+      for (int s = 0; s < KP / 16; ++s) {
+        const int o = s * 8;
+        const uint32_t b0 = kb[o], b1 = kb[o + 4];
+        mma16<T16>(cq, qa[o], qa[o + 8 * LW], qa[o + 4], qa[o + 8 * LW + 4], b0, b1);
+        mma16<T16>(ckk, ka[o], ka[o + 8 * LW], ka[o + 4], ka[o + 8 * LW + 4], b0, b1);
+      }
+      float vq[4], vk[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = a * kSub + gq + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
+        const float f = j <= t ? __expf(hi_lo_diff(Gh[t], Gh[j])) : 0.f;
+        const float fb = f * Bs[j];
+        vq[e] = p.scale * (cq[e] * fb);
+        vk[e] = j < t ? ckk[e] * fb : 0.f;
+      }
+      float* Ar = Ab + (a * kSub + gq) * LDA + nt * 8 + 2 * t4;
+      *reinterpret_cast<float2*>(Ar) = make_float2(vk[0], vk[1]);
+      *reinterpret_cast<float2*>(Ar + 8 * LDA) = make_float2(vk[2], vk[3]);
+      ws_put_frag(ws + WL.aqk, (a * (kChunk / 8) + nt) * 32 + lane, half, acc_to_afrag(vq, lane));
+    }
+    for (int i = tid; i < 12 * 32; i += kGdnThreads) {  // tiles (0, 2..7), (1, 4..7), (2, 6..7)
+      const int z = i >> 5;
+      const int a = z < 6 ? 0 : (z < 10 ? 1 : 2);
+      const int nt = z < 6 ? 2 + z : (z < 10 ? z - 2 : z - 4);
+      ws_put_frag(ws + WL.aqk, (a * (kChunk / 8) + nt) * 32 + (i & 31), half, make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+  }
+  __syncthreads();
+
+  // ---- S2: warps 0-3: diagonal blocks of T (lanes 0-15, one column each); warps 4-7: q~ = scale q e^G
+  if (warp < 4) {
+    if (lane < kSub) {
+      const int a = warp, j = lane;
+      const float* Bd = Ab + a * kSub * LDA + a * kSub;
+      float x[kSub];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) {
+        float s = (i == j) ? 1.f : 0.f;
+#pragma unroll
+        for (int m = 0; m < i; ++m) s = fmaf(-Bd[i * LDA + m], x[m], s);
+        x[i] = (i < j) ? 0.f : s;
+      }
+      float* Td = Ts + a * kSub * LDA + a * kSub + j;
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
+    }
+  } else {
+    constexpr int NQ = 4 * (KP / 8) * 32;
+    for (int it = tid - 128; it < NQ; it += 128) {
+      const int ln = it & 31, tile = it >> 5;
+      const int r0 = (tile / (KP / 8)) * kSub + (ln >> 2), c0 = (tile % (KP / 8)) * 8 + (ln & 3);
+      const float e0 = p.scale * Ea[r0], e1 = p.scale * Ea[r0 + 8];
+      ws_put_frag(ws + WL.qg, it, half,
+                  make_float4(e0 * f16(Qs[r0 * LDH + c0]), e1 * f16(Qs[(r0 + 8) * LDH + c0]),
+                              e0 * f16(Qs[r0 * LDH + c0 + 4]), e1 * f16(Qs[(r0 + 8) * LDH + c0 + 4])));
+    }
+  }
+  __syncthreads();
+
+  // ---- S3: warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb; warps 2-7: k~^T[c][t] = beta_t k_t[c] e^{G_last - G_t}
+  if (warp < 2) {
+    const int a = warp == 0 ? 1 : 3, b = a - 1;
+    float* Y = Scr + warp * (2 * kSub * LDY);
+    float acc[2][4];
+    zero_acc(acc);
+    warp_mm16(acc, Ab + a * kSub * LDA + b * kSub, LDA, Ts + b * kSub * LDA + b * kSub, LDA, gq, t4);
+    warp_store16(Y, LDY, acc, 1.f, gq, t4);
+    __syncwarp();
+    zero_acc(acc);
+    warp_mm16(acc, Ts + a * kSub * LDA + a * kSub, LDA, Y, LDY, gq, t4);
+    warp_store16(Ts + a * kSub * LDA + b * kSub, LDA, acc, -1.f, gq, t4);
+  } else {
+    constexpr int NK = (KP / 16) * (kChunk / 8) * 32;
+    for (int it = tid - 64; it < NK; it += kGdnThreads - 64) {
+      const int ln = it & 31, tile = it >> 5;
+      const int c0 = (tile / (kChunk / 8)) * kSub + (ln >> 2), t0 = (tile % (kChunk / 8)) * 8 + (ln & 3);
+      const float d0 = Ck[t0], d1 = Ck[t0 + 4];
+      ws_put_frag(ws + WL.kg, it, half,
+                  make_float4(d0 * f16(Ks[t0 * LDH + c0]), d0 * f16(Ks[t0 * LDH + c0 + 8]),
+                              d1 * f16(Ks[(t0 + 4) * LDH + c0]), d1 * f16(Ks[(t0 + 4) * LDH + c0 + 8])));
+    }
+  }
+  __syncthreads();
+
+  // ---- S4: warps 0-1 (b = warp): Y_ab = sum_{c=b}^{1} Ab_ac T_cb (a = 2, 3); T_2b = -T_22 Y_2b,
+  //      T_3b = -(T_32 Y_2b + T_33 Y_3b)
+  if (warp < 2) {
+    const int b = warp;
+    float* Y2 = Scr + warp * (2 * kSub * LDY);
+    float* Y3 = Y2 + kSub * LDY;
+    float acc2[2][4], acc3[2][4];
+    zero_acc(acc2);
+    zero_acc(acc3);
+    for (int c = b; c < 2; ++c) {
+      const float* Tcb = Ts + c * kSub * LDA + b * kSub;
+      warp_mm16(acc2, Ab + 2 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
+      warp_mm16(acc3, Ab + 3 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
+    }
+    warp_store16(Y2, LDY, acc2, 1.f, gq, t4);
+    warp_store16(Y3, LDY, acc3, 1.f, gq, t4);
+    __syncwarp();
+    zero_acc(acc2);
+    zero_acc(acc3);
+    warp_mm16(acc2, Ts + 2 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
+    warp_mm16(acc3, Ts + 3 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
+    warp_mm16(acc3, Ts + 3 * kSub * LDA + 3 * kSub, LDA, Y3, LDY, gq, t4);
+    warp_store16(Ts + 2 * kSub * LDA + b * kSub, LDA, acc2, -1.f, gq, t4);
+    warp_store16(Ts + 3 * kSub * LDA + b * kSub, LDA, acc3, -1.f, gq, t4);
+  }
+  __syncthreads();
+
+  // ---- S5: w = T (K e^G) (fragment order), u0 = T V (row-major), tf32 m16n8k8; V in blocks of 128 columns
+  constexpr int ntw = KP / 8;
+  for (int v0 = 0; v0 < V; v0 += kGdnVB) {
+    if (v0 > 0) {  // V > 128: the next block of v (rare: the context-parallel transition's width K + V)
+      __syncthreads();
+      gdn_stage<kGdnVB>(Vs, LDV, vg + v0, static_cast<int64_t>(HV) * V, L, min(V - v0, kGdnVB), vec_v, tid);
+      gdn_cp_async_wait_all();
+      __syncthreads();
+    }
+    const int ntv = (min(V - v0, kGdnVB) + 7) / 8;
+    const int nw = v0 == 0 ? ntw : 0;
+    for (int job = warp; job < nw + ntv; job += kGdnThreads / 32) {
+      const bool isw = job < nw;
+      const int n0 = (isw ? job : job - nw) * 8;
+      float b[kChunk / 8][2];
+#pragma unroll
+      for (int s = 0; s < kChunk / 8; ++s)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = s * 8 + t4 + 4 * hh;
+          b[s][hh] = isw ? f16(Ks[t * LDH + n0 + gq]) * Ea[t] : f16(Vs[t * LDV + n0 + gq]);
+        }
+      float acc[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
+        const float* Ta = Ts + (a * kSub + gq) * LDA + t4;
+#pragma unroll
+        for (int s = 0; s < kChunk / 8; ++s) {
+          if (s < 2 * a + 2) {
+            const float4 af = make_float4(Ta[s * 8], Ta[8 * LDA + s * 8], Ta[s * 8 + 4], Ta[8 * LDA + s * 8 + 4]);
+            mma8<false>(acc[a], af, b[s][0], b[s][1]);
+          }
+        }
+      }
+      if (isw) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+          reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
+      } else {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = a * kSub + gq + (e >> 1) * 8, c = v0 + n0 + 2 * t4 + (e & 1);
+            if (c < V) ws[WL.u + static_cast<int64_t>(r) * V + c] = acc[a][e];
+          }
+      }
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels
