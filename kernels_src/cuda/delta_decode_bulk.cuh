@@ -1,4 +1,6 @@
 // Persistent decode kernel for K = V = 128 with bulk (TMA) state copies, sm_90 and newer ("decode v2").
+// OPT-IN ONLY (KDA_CUDA_DEC_V2=1|2): correct (tests/test_cuda_backend.py "bulk" variants pass on the H200) but
+// about 2x SLOWER than delta_decode_kernel at B=256 (1.8 TB/s fp32 vs 4.0; see docs/cuda.md, decode session 4).
 //
 // One CTA of 512 threads per SM walks the (sequence, value head) items blockIdx.x, blockIdx.x + gridDim.x, ...
 // An item is a whole head state (128 x 128, contiguous: 64 KB fp32, 32 KB bf16/fp16), copied into shared memory

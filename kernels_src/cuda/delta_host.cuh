@@ -141,7 +141,9 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
 // KDA_CUDA_DEC_V2=0 never, 1 always with the small buffer ring, 2 always with the large ring; unset: kDecV2Default
 // when there are at least 4 items per SM (fewer: the per-column-slice kernel spreads a small batch over more SMs).
 // KDA_CUDA_DEC_V2_HINT (bit 0: L2 evict-first reads, bit 1: streaming stores) defaults to kDecV2Hint.
-constexpr int kDecV2Default = 2;
+// kDecV2Default is 0 (off): on the H200 the bulk kernel measured 1.8-2.5 TB/s at B=256 against 3.8-4.0 TB/s for
+// the per-column-slice kernel (benchmarks/results/cuda_decode_session4.*; docs/cuda.md "decode, session 4").
+constexpr int kDecV2Default = 0;
 constexpr int kDecV2Hint = 0;
 
 inline int cached_cc_major() {
