@@ -4,6 +4,7 @@
 // that they compile in parallel).
 #pragma once
 
+#include "delta_decode_bulk.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -32,6 +33,24 @@ void launch_dec_one(FwdParams p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <bool PC, bool VF, typename S, int NBUF>
+void launch_dec_bulk_one(const FwdParams& p, cudaStream_t st) {
+  constexpr int smem = BulkSmem<S, NBUF>::kBytes;
+  auto kern = delta_decode_bulk_kernel<PC, VF, S, NBUF>;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  static bool attr_set[64] = {};
+  if (dev >= 64 || !attr_set[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (dev < 64) attr_set[dev] = true;
+  }
+  const int64_t items = static_cast<int64_t>(p.N) * p.HV;
+  if (items == 0) return;
+  const int64_t grid = items < cached_num_sms() ? items : cached_num_sms();
+  kern<<<static_cast<unsigned>(grid), kBulkThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Declared everywhere; launch_dec and launch_dec_generic are defined where KDA_DEFINE_LAUNCH_DEC is set
 // (delta_fwd_launch_dec_*.cu), launch_dec_fixed where KDA_DEFINE_LAUNCH_DEC_FIXED is set
 // (delta_fwd_launch_dec128_*.cu: the K = V = 128 kernels, the hot path of real models).
@@ -41,6 +60,8 @@ template <bool PC, bool VF, typename S>
 void launch_dec_generic(const FwdParams& p, int cfg, cudaStream_t st);
 template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st);
+template <bool PC, bool VF, typename S>
+void launch_dec_bulk(const FwdParams& p, int variant, cudaStream_t st);
 
 #ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
 template <bool PC, bool VF, typename S>
@@ -59,6 +80,13 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st) {
     case 10: return launch_dec_one<PC, VF, S, 3, 128, 1>(p, st);
     default: return launch_dec_one<PC, VF, S, 3, 128, 2>(p, st);
   }
+}
+// variant 1: small buffer ring, 2: large (bulk_nbuf)
+template <bool PC, bool VF, typename S>
+void launch_dec_bulk(const FwdParams& p, int variant, cudaStream_t st) {
+  constexpr int es = static_cast<int>(sizeof(S));
+  if (variant == 1) return launch_dec_bulk_one<PC, VF, S, bulk_nbuf(es, 1)>(p, st);
+  return launch_dec_bulk_one<PC, VF, S, bulk_nbuf(es, 2)>(p, st);
 }
 #endif  // KDA_DEFINE_LAUNCH_DEC_FIXED
 
@@ -87,10 +115,17 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.tvec = p.K % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.g);
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   const DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
-  if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec)
-    launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
-  else
+  if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
+    const int v2 = choose_dec_v2(p.N, p.HV);
+    if (v2 != 0) {
+      d.dec_hint = env_int("KDA_CUDA_DEC_V2_HINT", kDecV2Hint);
+      launch_dec_bulk<PC, VF, S>(d, v2, st);
+    } else {
+      launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
+    }
+  } else {
     launch_dec_generic<PC, VF, S>(d, c.cfg, st);
+  }
   return true;
 }
 #endif  // KDA_DEFINE_LAUNCH_DEC
@@ -133,5 +168,7 @@ void launch_fwd(FwdParams& p, int kmax, cudaStream_t st) {
   namespace cuda {                                                                                         \
   template void launch_dec_fixed<true, VF, S>(const FwdParams&, int, int, cudaStream_t);                  \
   template void launch_dec_fixed<false, VF, S>(const FwdParams&, int, int, cudaStream_t);                 \
+  template void launch_dec_bulk<true, VF, S>(const FwdParams&, int, cudaStream_t);                        \
+  template void launch_dec_bulk<false, VF, S>(const FwdParams&, int, cudaStream_t);                       \
   }                                                                                                        \
   }
