@@ -30,5 +30,7 @@ if [ $SECONDS -lt ${NCU_BEFORE_S:-175} ] && command -v ncu >/dev/null; then
     "$OUT/ncu_kda_chunk_prep_details.txt" | head -12
 fi
 echo "total ${SECONDS}s"
-(cd "$OUT" && tar czf results.tgz --exclude=build.log --exclude=results.tgz . && find . -type f ! -name build.log \
-  ! -name results.tgz -delete)
+# The archive is written outside $OUT first (session 4: writing it inside made tar fail with "file changed as we
+# read it", so nothing was deleted and the tool returned only the first 8 loose files).
+(cd "$OUT" && tar czf /tmp/kda_prep_results.tgz --exclude=build.log . && find . -type f ! -name build.log -delete \
+  && mv /tmp/kda_prep_results.tgz results.tgz)
