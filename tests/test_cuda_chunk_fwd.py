@@ -8,7 +8,8 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 64-wide path), V spanning several column tiles, fp32/bf16/fp16, T=2048, the fp32 workspace for bf16 inputs
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
-with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process.
+with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
+(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0).
 """
 import importlib.util
 import subprocess
@@ -178,3 +179,31 @@ def test_gdn_prep_new_vs_old(case, dtype, ws, monkeypatch):
     (o0, s0), (o1, s1) = out["0"], out["1"]
     assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-4)
+
+
+@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T200", "T2048", "correlated_keys", "gate_div_0.1", "extreme_gates",
+                                  "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv", "cp_width_v256", "varlen",
+                                  "varlen_extreme"])
+def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
+    """The KDA prep kernel (default for bf16/fp16) against the generic prep kernel (KDA_CUDA_KDA_PREP=0): the
+    scan is the same, so o and the final state agree up to rounding: o is rounded to the input dtype in both, and
+    the tf32 operands of the cross-sub-chunk products are formed from differently rounded (equally exact) gate
+    factors, so unlike the GDN prep (bf16-exact operands) the fp32-workspace state is not bit-close: 1e-3."""
+    spec = dict(CASES[case])
+    cu_list = spec.get("cu")
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make("kda", dtype=dtype, **spec)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    out = {}
+    for sel in ("0", "1"):
+        monkeypatch.setenv("KDA_CUDA_KDA_PREP", sel)
+        out[sel] = OPS.kda_chunk_fwd(q, k, v, g, beta, K ** -0.5, h0, cu)
+    (o0, s0), (o1, s1) = out["0"], out["1"]
+    assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all()
+    assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
+    assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)

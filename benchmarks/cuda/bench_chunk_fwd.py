@@ -5,6 +5,8 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
     BENCH_SHAPES=varlen BENCH_BUDGET_S=60 python3 benchmarks/cuda/bench_chunk_fwd.py   # some shapes, a time budget
     BENCH_FAMILIES=gdn BENCH_GDN_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # GDN only, the generic (0) and the GDN-specific (1) prep kernel in one process (KDA_CUDA_GDN_PREP), no fla
+    BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # KDA only, the generic (0) and the KDA-specific (1) prep kernel (KDA_CUDA_KDA_PREP), no fla
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -109,13 +111,13 @@ def main():
     budget = float(os.environ.get("BENCH_BUDGET_S", "1e9"))
     t_start = time.time()
     families = os.environ.get("BENCH_FAMILIES", "kda,gdn").split(",")
-    gdn_preps = os.environ.get("BENCH_GDN_PREP")  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
-    runs = [(f, None) for f in families if f == "kda" or not gdn_preps] + \
-           [("gdn", x) for x in (gdn_preps.split(",") if gdn_preps and "gdn" in families else [])]
+    preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
+             "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP
+    runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
     for name, B, T, H, HV, lens in shapes:
         for fam, gdn_prep in runs:
             if gdn_prep is not None:
-                os.environ["KDA_CUDA_GDN_PREP"] = gdn_prep  # read by the host code at every call
+                os.environ[f"KDA_CUDA_{fam.upper()}_PREP"] = gdn_prep  # read by the host code at every call
             if time.time() - t_start > budget:
                 print("time budget reached; stopping", flush=True)
                 break
@@ -131,7 +133,7 @@ def main():
                 row = dict(shape=name, family=fam, tokens=B * T, ours_eager_ms=round(oe, 4),
                            ours_graph_ms=None if og is None else round(og, 4))
                 if gdn_prep is not None:
-                    row["gdn_prep"] = gdn_prep
+                    row["gdn_prep" if fam == "gdn" else "kda_prep"] = gdn_prep
                 ffn = chunk_kda if fam == "kda" else chunk_gated_delta_rule
                 if ffn is not None:
                     bb = beta.bfloat16()
@@ -165,7 +167,7 @@ def main():
     print(f"{'shape':28s} {'fam':4s} {'fla eager':>10s} {'fla graph':>10s} {'ours eager':>10s} {'ours graph':>10s}"
           f" {'x fla (graph)':>13s} {'x fla (eager)':>13s}")
     for r in RES:
-        print(f"{r['shape']:28s} {r['family'] + r.get('gdn_prep', ''):4s} {r.get('fla_eager_ms', float('nan')):10.4f} "
+        print(f"{r['shape']:28s} {r['family'] + r.get('gdn_prep', r.get('kda_prep', '')):4s} {r.get('fla_eager_ms', float('nan')):10.4f} "
               f"{r.get('fla_graph_ms') or float('nan'):10.4f} {r['ours_eager_ms']:10.4f} "
               f"{r['ours_graph_ms'] or float('nan'):10.4f} {r.get('ratio_graph', float('nan')):13.3f} "
               f"{r.get('ratio_eager', float('nan')):13.3f}")

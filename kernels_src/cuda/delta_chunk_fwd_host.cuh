@@ -2,11 +2,13 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one).
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
+// as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
 #pragma once
 
 #include "delta_chunk_fwd.cuh"
 #include "gdn_chunk_prep.cuh"
+#include "kda_chunk_prep.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -45,6 +47,26 @@ void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   else launch_gdn_prep_t<KP, __half>(p, max_chunks, st);
 }
 
+// KDA, bf16/fp16 inputs: kda_chunk_prep_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>).
+template <int KP, typename T16>
+void launch_kda_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = KdaPrepSmem<KP>::bytes;
+  auto kern = kda_chunk_prep_kernel<KP, T16>;
+  static bool configured = false;  // once per instantiation
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured = true;
+  }
+  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int KP>
+void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if (p.in_dtype == kBF16) launch_kda_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
+  else launch_kda_prep_t<KP, __half>(p, max_chunks, st);
+}
+
 template <int KP, int BV, bool PRECISE>
 void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
@@ -62,6 +84,9 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks > 0) {
     if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
       if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
+      else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
+      if (env_int("KDA_CUDA_KDA_PREP", 1) != 0) launch_kda_prep<KP>(p, max_chunks, st);
       else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
     } else {
       launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);

@@ -31,13 +31,16 @@ namespace cuda {
 
 constexpr int kGdnThreads = 256;
 constexpr int kGdnVB = 128;  // columns of V per u0 pass
+constexpr int kPrepLDA = kChunk + 4;  // fp32 row stride of Ab and T (conflict-free A fragments)
+constexpr int kPrepLDY = 24;          // fp32 row stride of the 16x16 scratch blocks (conflict-free B fragments)
+constexpr int kPrepLDV = kGdnVB + 8;  // 16-bit row stride of the staged v
 
 template <int KP>
 struct GdnPrepSmem {
   static constexpr int LDH = KP + 8;      // 16-bit row stride of q / k (LDH / 2 = 4 mod 32 words: conflict-free)
-  static constexpr int LDV = kGdnVB + 8;  // 16-bit row stride of v
-  static constexpr int LDA = kChunk + 4;  // fp32 row stride of Ab and T (conflict-free A fragments)
-  static constexpr int LDY = 24;          // fp32 row stride of the 16x16 scratch blocks (conflict-free B fragments)
+  static constexpr int LDV = kPrepLDV;
+  static constexpr int LDA = kPrepLDA;
+  static constexpr int LDY = kPrepLDY;
   static constexpr size_t qs = 0;
   static constexpr size_t ks = qs + 2 * kChunk * LDH;
   static constexpr size_t vs = ks + 2 * kChunk * LDH;
@@ -159,6 +162,139 @@ __device__ __forceinline__ void lower_tile(int job, int& a, int& nt) {
   nt = job - a * (a + 1);
 }
 
+// ---- Pieces shared by the GDN and the KDA prep kernel (kda_chunk_prep.cuh): the blocked inverse
+// T = (I + A_kk Diag(beta))^-1 from Ab = A_kk Diag(beta) (strictly lower, fp32, row stride kPrepLDA), and
+// w = T X, u0 = T V. Every thread of the block calls each of them.
+
+// Warps 0-3 (lanes 0-15, one column each): the 16x16 diagonal blocks T_aa = Ab_aa^-1 by forward substitution
+// (fp32), upper triangle zero.
+__device__ __forceinline__ void prep_inverse_diag(const float* Ab, float* Ts, int warp, int lane) {
+  constexpr int LDA = kPrepLDA;
+  if (warp < 4 && lane < kSub) {
+    const int a = warp, j = lane;
+    const float* Bd = Ab + a * kSub * LDA + a * kSub;
+    float x[kSub];
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      float s = (i == j) ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) s = fmaf(-Bd[i * LDA + m], x[m], s);
+      x[i] = (i < j) ? 0.f : s;
+    }
+    float* Td = Ts + a * kSub * LDA + a * kSub + j;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
+  }
+}
+
+// Warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb (3xTF32); Scr: 4 blocks of 16 x kPrepLDY floats.
+__device__ __forceinline__ void prep_inverse_sub1(const float* Ab, float* Ts, float* Scr, int warp, int gq, int t4) {
+  constexpr int LDA = kPrepLDA, LDY = kPrepLDY;
+  if (warp < 2) {
+    const int a = warp == 0 ? 1 : 3, b = a - 1;
+    float* Y = Scr + warp * (2 * kSub * LDY);
+    float acc[2][4];
+    zero_acc(acc);
+    warp_mm16(acc, Ab + a * kSub * LDA + b * kSub, LDA, Ts + b * kSub * LDA + b * kSub, LDA, gq, t4);
+    warp_store16(Y, LDY, acc, 1.f, gq, t4);
+    __syncwarp();
+    zero_acc(acc);
+    warp_mm16(acc, Ts + a * kSub * LDA + a * kSub, LDA, Y, LDY, gq, t4);
+    warp_store16(Ts + a * kSub * LDA + b * kSub, LDA, acc, -1.f, gq, t4);
+  }
+}
+
+// Warps 0-1 (b = warp): Y_ab = sum_{c=b}^{1} Ab_ac T_cb (a = 2, 3); T_2b = -T_22 Y_2b, T_3b = -(T_32 Y_2b +
+// T_33 Y_3b) (3xTF32).
+__device__ __forceinline__ void prep_inverse_sub2(const float* Ab, float* Ts, float* Scr, int warp, int gq, int t4) {
+  constexpr int LDA = kPrepLDA, LDY = kPrepLDY;
+  if (warp < 2) {
+    const int b = warp;
+    float* Y2 = Scr + warp * (2 * kSub * LDY);
+    float* Y3 = Y2 + kSub * LDY;
+    float acc2[2][4], acc3[2][4];
+    zero_acc(acc2);
+    zero_acc(acc3);
+    for (int c = b; c < 2; ++c) {
+      const float* Tcb = Ts + c * kSub * LDA + b * kSub;
+      warp_mm16(acc2, Ab + 2 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
+      warp_mm16(acc3, Ab + 3 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
+    }
+    warp_store16(Y2, LDY, acc2, 1.f, gq, t4);
+    warp_store16(Y3, LDY, acc3, 1.f, gq, t4);
+    __syncwarp();
+    zero_acc(acc2);
+    zero_acc(acc3);
+    warp_mm16(acc2, Ts + 2 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
+    warp_mm16(acc3, Ts + 3 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
+    warp_mm16(acc3, Ts + 3 * kSub * LDA + 3 * kSub, LDA, Y3, LDY, gq, t4);
+    warp_store16(Ts + 2 * kSub * LDA + b * kSub, LDA, acc2, -1.f, gq, t4);
+    warp_store16(Ts + 3 * kSub * LDA + b * kSub, LDA, acc3, -1.f, gq, t4);
+  }
+}
+
+// w = T X (fragment order; X[t][c] = xw(t, c), fp32) and u0 = T V (row-major), tf32 m16n8k8: one warp per 8
+// output columns, row block a over the k-blocks 0..a only. Vs (row stride kPrepLDV) holds v's columns [0, 128) on
+// entry; V > 128 restages the next 128 columns from vg (row t at vg + t * HV * V) between block barriers, so every
+// thread must call this.
+template <int KP, typename T16, typename XW>
+__device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
+                                          uint16_t* Vs, const uint16_t* vg, int L, bool vec_v, int tid, XW xw) {
+  constexpr int LDA = kPrepLDA, LDV = kPrepLDV;
+  const int lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;
+  const int V = p.V;
+  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
+  constexpr int ntw = KP / 8;
+  for (int v0 = 0; v0 < V; v0 += kGdnVB) {
+    if (v0 > 0) {  // V > 128: the next block of v (rare: the context-parallel transition's width K + V)
+      __syncthreads();
+      gdn_stage<kGdnVB>(Vs, LDV, vg + v0, static_cast<int64_t>(p.HV) * V, L, min(V - v0, kGdnVB), vec_v, tid);
+      gdn_cp_async_wait_all();
+      __syncthreads();
+    }
+    const int ntv = (min(V - v0, kGdnVB) + 7) / 8;
+    const int nw = v0 == 0 ? ntw : 0;
+    for (int job = warp; job < nw + ntv; job += kGdnThreads / 32) {
+      const bool isw = job < nw;
+      const int n0 = (isw ? job : job - nw) * 8;
+      float b[kChunk / 8][2];
+#pragma unroll
+      for (int s = 0; s < kChunk / 8; ++s)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = s * 8 + t4 + 4 * hh;
+          b[s][hh] = isw ? xw(t, n0 + gq) : f16(Vs[t * LDV + n0 + gq]);
+        }
+      float acc[4][4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
+        const float* Ta = Ts + (a * kSub + gq) * LDA + t4;
+#pragma unroll
+        for (int s = 0; s < kChunk / 8; ++s) {
+          if (s < 2 * a + 2) {
+            const float4 af = make_float4(Ta[s * 8], Ta[8 * LDA + s * 8], Ta[s * 8 + 4], Ta[8 * LDA + s * 8 + 4]);
+            mma8<false>(acc[a], af, b[s][0], b[s][1]);
+          }
+        }
+      }
+      if (isw) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+          reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
+      } else {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = a * kSub + gq + (e >> 1) * 8, c = v0 + n0 + 2 * t4 + (e & 1);
+            if (c < V) ws[WL.u + static_cast<int64_t>(r) * V + c] = acc[a][e];
+          }
+      }
+    }
+  }
+}
+
 template <int KP, typename T16>
 __global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const ChunkFwdParams p) {
   using SM = GdnPrepSmem<KP>;
@@ -275,23 +411,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const Ch
   __syncthreads();
 
   // ---- S2: warps 0-3: diagonal blocks of T (lanes 0-15, one column each); warps 4-7: q~ = scale q e^G
-  if (warp < 4) {
-    if (lane < kSub) {
-      const int a = warp, j = lane;
-      const float* Bd = Ab + a * kSub * LDA + a * kSub;
-      float x[kSub];
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) {
-        float s = (i == j) ? 1.f : 0.f;
-#pragma unroll
-        for (int m = 0; m < i; ++m) s = fmaf(-Bd[i * LDA + m], x[m], s);
-        x[i] = (i < j) ? 0.f : s;
-      }
-      float* Td = Ts + a * kSub * LDA + a * kSub + j;
-#pragma unroll
-      for (int i = 0; i < kSub; ++i) Td[i * LDA] = x[i];
-    }
-  } else {
+  prep_inverse_diag(Ab, Ts, warp, lane);
+  if (warp >= 4) {
     constexpr int NQ = 4 * (KP / 8) * 32;
     for (int it = tid - 128; it < NQ; it += 128) {
       const int ln = it & 31, tile = it >> 5;
@@ -305,18 +426,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const Ch
   __syncthreads();
 
   // ---- S3: warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb; warps 2-7: k~^T[c][t] = beta_t k_t[c] e^{G_last - G_t}
-  if (warp < 2) {
-    const int a = warp == 0 ? 1 : 3, b = a - 1;
-    float* Y = Scr + warp * (2 * kSub * LDY);
-    float acc[2][4];
-    zero_acc(acc);
-    warp_mm16(acc, Ab + a * kSub * LDA + b * kSub, LDA, Ts + b * kSub * LDA + b * kSub, LDA, gq, t4);
-    warp_store16(Y, LDY, acc, 1.f, gq, t4);
-    __syncwarp();
-    zero_acc(acc);
-    warp_mm16(acc, Ts + a * kSub * LDA + a * kSub, LDA, Y, LDY, gq, t4);
-    warp_store16(Ts + a * kSub * LDA + b * kSub, LDA, acc, -1.f, gq, t4);
-  } else {
+  prep_inverse_sub1(Ab, Ts, Scr, warp, gq, t4);
+  if (warp >= 2) {
     constexpr int NK = (KP / 16) * (kChunk / 8) * 32;
     for (int it = tid - 64; it < NK; it += kGdnThreads - 64) {
       const int ln = it & 31, tile = it >> 5;
@@ -331,81 +442,12 @@ __global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const Ch
 
   // ---- S4: warps 0-1 (b = warp): Y_ab = sum_{c=b}^{1} Ab_ac T_cb (a = 2, 3); T_2b = -T_22 Y_2b,
   //      T_3b = -(T_32 Y_2b + T_33 Y_3b)
-  if (warp < 2) {
-    const int b = warp;
-    float* Y2 = Scr + warp * (2 * kSub * LDY);
-    float* Y3 = Y2 + kSub * LDY;
-    float acc2[2][4], acc3[2][4];
-    zero_acc(acc2);
-    zero_acc(acc3);
-    for (int c = b; c < 2; ++c) {
-      const float* Tcb = Ts + c * kSub * LDA + b * kSub;
-      warp_mm16(acc2, Ab + 2 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
-      warp_mm16(acc3, Ab + 3 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
-    }
-    warp_store16(Y2, LDY, acc2, 1.f, gq, t4);
-    warp_store16(Y3, LDY, acc3, 1.f, gq, t4);
-    __syncwarp();
-    zero_acc(acc2);
-    zero_acc(acc3);
-    warp_mm16(acc2, Ts + 2 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
-    warp_mm16(acc3, Ts + 3 * kSub * LDA + 2 * kSub, LDA, Y2, LDY, gq, t4);
-    warp_mm16(acc3, Ts + 3 * kSub * LDA + 3 * kSub, LDA, Y3, LDY, gq, t4);
-    warp_store16(Ts + 2 * kSub * LDA + b * kSub, LDA, acc2, -1.f, gq, t4);
-    warp_store16(Ts + 3 * kSub * LDA + b * kSub, LDA, acc3, -1.f, gq, t4);
-  }
+  prep_inverse_sub2(Ab, Ts, Scr, warp, gq, t4);
   __syncthreads();
 
   // ---- S5: w = T (K e^G) (fragment order), u0 = T V (row-major), tf32 m16n8k8; V in blocks of 128 columns
-  constexpr int ntw = KP / 8;
-  for (int v0 = 0; v0 < V; v0 += kGdnVB) {
-    if (v0 > 0) {  // V > 128: the next block of v (rare: the context-parallel transition's width K + V)
-      __syncthreads();
-      gdn_stage<kGdnVB>(Vs, LDV, vg + v0, static_cast<int64_t>(HV) * V, L, min(V - v0, kGdnVB), vec_v, tid);
-      gdn_cp_async_wait_all();
-      __syncthreads();
-    }
-    const int ntv = (min(V - v0, kGdnVB) + 7) / 8;
-    const int nw = v0 == 0 ? ntw : 0;
-    for (int job = warp; job < nw + ntv; job += kGdnThreads / 32) {
-      const bool isw = job < nw;
-      const int n0 = (isw ? job : job - nw) * 8;
-      float b[kChunk / 8][2];
-#pragma unroll
-      for (int s = 0; s < kChunk / 8; ++s)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int t = s * 8 + t4 + 4 * hh;
-          b[s][hh] = isw ? f16(Ks[t * LDH + n0 + gq]) * Ea[t] : f16(Vs[t * LDV + n0 + gq]);
-        }
-      float acc[4][4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = 0.f;
-        const float* Ta = Ts + (a * kSub + gq) * LDA + t4;
-#pragma unroll
-        for (int s = 0; s < kChunk / 8; ++s) {
-          if (s < 2 * a + 2) {
-            const float4 af = make_float4(Ta[s * 8], Ta[8 * LDA + s * 8], Ta[s * 8 + 4], Ta[8 * LDA + s * 8 + 4]);
-            mma8<false>(acc[a], af, b[s][0], b[s][1]);
-          }
-        }
-      }
-      if (isw) {
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-          reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
-      } else {
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = a * kSub + gq + (e >> 1) * 8, c = v0 + n0 + 2 * t4 + (e & 1);
-            if (c < V) ws[WL.u + static_cast<int64_t>(r) * V + c] = acc[a][e];
-          }
-      }
-    }
-  }
+  prep_w_u0<KP, T16>(p, ws, WL, Ts, Vs, vg, L, vec_v, tid,
+                     [&](int t, int c) { return f16(Ks[t * LDH + c]) * Ea[t]; });
 }
 
 }  // namespace cuda
