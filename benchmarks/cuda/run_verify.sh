@@ -25,5 +25,6 @@ echo "fwd bench done at ${SECONDS}s"
 [ "$(left)" -gt 40 ] && timeout $(( $(left) - 25 )) python3 benchmarks/cuda/bench_chunk_bwd.py > "$OUT/bench_bwd.log" 2>&1
 grep -v '^{' "$OUT/bench_bwd.log" | tail -12
 echo "total ${SECONDS}s"
-(cd "$OUT" && tar czf results.tgz --exclude=build.log --exclude=results.tgz . && find . -type f ! -name build.log \
-  ! -name results.tgz -delete)
+# (the archive is written outside $OUT first: tar reading the folder it writes into fails)
+tar czf /tmp/results.tgz -C "$OUT" --exclude=build.log . && find "$OUT" -type f ! -name build.log -delete \
+  && mv /tmp/results.tgz "$OUT/results.tgz"
