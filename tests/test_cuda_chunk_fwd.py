@@ -9,7 +9,10 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
 with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
-(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0).
+(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is split by default
+(sequential delta_chunk_state_kernel + parallel delta_chunk_out_kernel, so every test above runs it);
+KDA_CUDA_CHUNK_SCAN=1 selects the single scan kernel: test_chunk_fwd_old_scan (float64 reference) and
+test_chunk_scan_split_vs_old (both in one process) cover it, test_chunk_fwd_scan_bv32 the 32-column state kernel.
 """
 import importlib.util
 import subprocess
@@ -85,6 +88,8 @@ CASES = {
     "odd_kv": dict(K=40, V=30, T=77),
     "wide_v": dict(K=128, V=80, T=66, HV=2, H=2),
     "cp_width_v256": dict(K=128, V=256, T=130, HV=2, H=1),  # the context-parallel transition's width K + V
+    "v200": dict(K=128, V=200, T=130, HV=2, H=1),  # a partial 64-column block of the split scan's output kernel
+    "odd_v": dict(K=64, V=37, T=70, HV=2, H=2),  # odd V: element stores / loads of h_c, U and o
     "varlen": dict(cu=[0, 0, 70, 70, 135, 136, 300]),
     "varlen_extreme": dict(cu=[0, 64, 64, 65, 193], extreme=True),
 }
@@ -140,8 +145,10 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
+@pytest.mark.parametrize("scan", ["split", "single"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_cuda_graph(family):
+def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2" if scan == "split" else "1")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
     fn = getattr(OPS, f"{family}_chunk_fwd")
@@ -207,3 +214,61 @@ def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
     assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all()
     assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T200", "extreme_gates", "varlen", "odd_kv", "wide_v", "gva_4x"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_old_scan(family, case, dtype, monkeypatch):
+    """The single scan kernel (KDA_CUDA_CHUNK_SCAN=1) against the float64 reference."""
+    if dtype == torch.float16 and case not in ("extreme_gates", "varlen"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1")
+    run_case(family, case, dtype, h0_on=True)
+
+
+@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
+@pytest.mark.parametrize("case", ["T200", "T2048", "extreme_gates", "varlen", "odd_kv", "v200", "odd_v", "kv64"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_scan_bv32(family, case, ws, monkeypatch):
+    """The split scan's state kernel with 32-column blocks (KDA_CUDA_CHUNK_BV=32; the tests' shapes pick 16; fp32
+    inputs always take 16), bf16 inputs, both workspaces."""
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BV", "32")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    run_case(family, case, torch.bfloat16, h0_on=True)
+
+
+@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T200", "T2048", "extreme_gates", "gva_4x", "kv64", "odd_kv", "wide_v", "v200",
+                                  "odd_v", "varlen", "varlen_extreme"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
+    """The split scan (default) against the single scan kernel (KDA_CUDA_CHUNK_SCAN=1) in one process, same prep:
+    the recurrence is the same math in another summation order; o differs by the bf16 rounding of the stored
+    chunk-start states (bf16/fp16 inputs with the bf16 workspace) and by o's own rounding."""
+    if dtype == torch.float32 and ws == "ws_fp32":
+        pytest.skip("fp32 inputs always use the fp32 workspace (same as ws_bf16 for them)")
+    if dtype == torch.float16 and case not in ("T2048", "extreme_gates", "odd_v", "varlen"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    spec = dict(CASES[case])
+    cu_list = spec.get("cu")
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make(family, dtype=dtype, **spec)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    out = {}
+    for sel in ("1", "2"):
+        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
+        out[sel] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
+    (o1, s1), (o2, s2) = out["1"], out["2"]
+    assert torch.isfinite(o2.float()).all() and torch.isfinite(s2).all()
+    if dtype == torch.float32:
+        assert_close("o (split vs single scan)", o1.cpu(), o2.cpu(), 1e-5)
+        assert_close("final_state (split vs single scan)", s1.cpu(), s2.cpu(), 1e-5)
+    else:
+        # bf16 h_c: up to ~0.0016 where q~ h dominates o, plus o's own rounding landing differently
+        assert_close("o (split vs single scan)", o1.float().cpu(), o2.float().cpu(), 3e-3 if ws == "ws_bf16" else 1e-3)
+        assert_close("final_state (split vs single scan)", s1.cpu(), s2.cpu(), 2e-4)

@@ -7,6 +7,8 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
         # GDN only, the generic (0) and the GDN-specific (1) prep kernel in one process (KDA_CUDA_GDN_PREP), no fla
     BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # KDA only, the generic (0) and the KDA-specific (1) prep kernel (KDA_CUDA_KDA_PREP), no fla
+    BENCH_CHUNK_SCAN=1,2 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # the single scan kernel (1) and the split scan (2, default) in one process (KDA_CUDA_CHUNK_SCAN)
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -114,10 +116,14 @@ def main():
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
+    scans = os.environ.get("BENCH_CHUNK_SCAN")  # e.g. "1,2": KDA_CUDA_CHUNK_SCAN values (1 single, 2 split)
+    runs = [(f, x, sc) for f, x in runs for sc in (scans.split(",") if scans else [None])]
     for name, B, T, H, HV, lens in shapes:
-        for fam, gdn_prep in runs:
+        for fam, gdn_prep, scan in runs:
             if gdn_prep is not None:
                 os.environ[f"KDA_CUDA_{fam.upper()}_PREP"] = gdn_prep  # read by the host code at every call
+            if scan is not None:
+                os.environ["KDA_CUDA_CHUNK_SCAN"] = scan
             if time.time() - t_start > budget:
                 print("time budget reached; stopping", flush=True)
                 break
@@ -134,6 +140,8 @@ def main():
                            ours_graph_ms=None if og is None else round(og, 4))
                 if gdn_prep is not None:
                     row["gdn_prep" if fam == "gdn" else "kda_prep"] = gdn_prep
+                if scan is not None:
+                    row["chunk_scan"] = scan
                 ffn = chunk_kda if fam == "kda" else chunk_gated_delta_rule
                 if ffn is not None:
                     bb = beta.bfloat16()

@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
+    ap.add_argument("--scan-single", action="store_true",
+                    help="also time the forward with the single scan kernel (KDA_CUDA_CHUNK_SCAN=1) as fwd_scan_single")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -69,6 +71,14 @@ def main():
     for family in args.families.split(","):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
+        if args.scan_single and "fwd" in phases:  # the host reads the knob on every call
+            old = os.environ.get("KDA_CUDA_CHUNK_SCAN")
+            os.environ["KDA_CUDA_CHUNK_SCAN"] = "1"
+            res[family]["fwd_scan_single"] = kernel_times(fns["fwd"])
+            if old is None:
+                del os.environ["KDA_CUDA_CHUNK_SCAN"]
+            else:
+                os.environ["KDA_CUDA_CHUNK_SCAN"] = old
         if args.bwd_state_v1 and "bwd" in phases:  # the host reads the knob on every call
             os.environ["KDA_CUDA_CHUNK_BWD_STATE"] = "1"
             res[family]["bwd_state_v1"] = kernel_times(fns["bwd"])

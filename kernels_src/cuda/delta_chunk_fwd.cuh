@@ -15,6 +15,10 @@
 // as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
+// Split scan (default; KDA_CUDA_CHUNK_SCAN=1 runs kernel 2 instead): kernel 2a (delta_chunk_state_kernel) walks
+// the chunks as kernel 2 but computes only U = u0 - w h and h <- e^{G_last} h + k~^T U, storing the chunk-start
+// state h_c (p.hc) and U (over u0 in the workspace); kernel 2b (delta_chunk_out_kernel), one block per (chunk,
+// value head, 64 columns), fully parallel: o = q~ h_c + A~ U.
 #pragma once
 
 #include "delta_common.cuh"
@@ -47,6 +51,9 @@ struct ChunkFwdParams {
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
+  // split scan (delta_chunk_state_kernel + delta_chunk_out_kernel): the state at the start of every chunk,
+  // [max_chunks, HV, K, V] row-major, bf16 when ws_bf16 (HALF) and fp32 otherwise; nullptr for the old scan
+  void* hc;
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
@@ -746,6 +753,393 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
         const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
         if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
       }
+}
+
+// ---- Split scan: delta_chunk_state_kernel (sequential: U and h only) + delta_chunk_out_kernel (parallel: o) ----
+
+// A workspace fragment as loaded (HALF: four bf16 in a uint2, unpacked at use): operands prefetched one chunk
+// ahead cost half the registers.
+template <bool HALF>
+struct WsFragRaw {
+  using type = float4;
+};
+template <>
+struct WsFragRaw<true> {
+  using type = uint2;
+};
+
+template <bool HALF>
+__device__ __forceinline__ typename WsFragRaw<HALF>::type ws_frag_raw(const float* sec, int i) {
+  if constexpr (HALF) return __ldg(reinterpret_cast<const uint2*>(sec) + i);
+  else return __ldg(reinterpret_cast<const float4*>(sec) + i);
+}
+__device__ __forceinline__ float4 frag_unpack(const float4& x) { return x; }
+__device__ __forceinline__ float4 frag_unpack(const uint2& u) {  // bf16 slots 0, 1 | 2, 3 (little endian)
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+
+// Store the elements (c, c + 1) of a row-major row, at element offset i of c: one 4- (bf16) or 8-byte (fp32) store
+// when vec (V even, c even: the pair is aligned) and both exist, else element by element (has1 implies has0).
+template <bool BF16>
+__device__ __forceinline__ void store_pair(void* base, int64_t i, float x0, float x1, bool has0, bool has1,
+                                           bool vec) {
+  if constexpr (BF16) {
+    __nv_bfloat16* b = static_cast<__nv_bfloat16*>(base) + i;
+    if (vec && has1) {
+      *reinterpret_cast<__nv_bfloat162*>(b) = __floats2bfloat162_rn(x0, x1);
+    } else {
+      if (has0) b[0] = __float2bfloat16_rn(x0);
+      if (has1) b[1] = __float2bfloat16_rn(x1);
+    }
+  } else {
+    float* f = static_cast<float*>(base) + i;
+    if (vec && has1) {
+      *reinterpret_cast<float2*>(f) = make_float2(x0, x1);
+    } else {
+      if (has0) f[0] = x0;
+      if (has1) f[1] = x1;
+    }
+  }
+}
+
+// o (input dtype) elements (c, c + 1) at element offset i of c; a pair store for 16-bit types when vec.
+__device__ __forceinline__ void store_out_pair(void* o, int64_t i, int dt, float x0, float x1, bool has0, bool has1,
+                                               bool vec) {
+  if (vec && has1 && dt == kBF16) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(o) + i) = __floats2bfloat162_rn(x0, x1);
+  } else if (vec && has1 && dt == kF16) {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(o) + i) = __floats2half2_rn(x0, x1);
+  } else {
+    if (has0) store_in(o, i, dt, x0);
+    if (has1) store_in(o, i + 1, dt, x1);
+  }
+}
+
+// Sequential part of the split scan: block = (sequence, value head, BV columns), 4 warps, the layout of
+// delta_chunk_scan_kernel (warp wi: rows 16wi..16wi+15 of U, rows [wi KP/4, (wi+1) KP/4) of h). Per chunk:
+// h_c (the chunk-start state, fp32 registers) -> p.hc (bf16 when HALF); U = u0 - w h -> shared memory and over u0
+// in the workspace (each block reads and writes only its own BV columns of u0); h <- Diag(decay) h + k~^T U.
+// The operands (w, u0, k~^T, decay) of chunk ci + 1 are loaded into registers during chunk ci (w / u0 after U,
+// k~^T / decay after the h update; see PREK); each product runs as two independent accumulator chains (even / odd
+// k-steps).
+// Two barriers per chunk: hs is rewritten only after every warp passed the barrier that follows its last read.
+template <int KP, int BV, bool PRECISE, bool HALF>
+__global__ void __launch_bounds__(kScanThreads) delta_chunk_state_kernel(const ChunkFwdParams p) {
+  constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
+  constexpr int NT = BV / 8;
+  constexpr int MT = KP / 64;     // 16-row tiles of h per warp
+  constexpr int KS = KP / 8;      // k-steps of w h
+  constexpr int CS = kChunk / 8;  // k-steps of k~^T U
+  using KRaw = typename WsFragRaw<HALF>::type;
+  const WsLayout<KP> WL(HALF);
+  __shared__ __align__(16) float hs[KP * LDH];
+  __shared__ __align__(16) float Us[kChunk * LDH];
+
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
+  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const bool veven = (V & 1) == 0;
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
+  const int nch = (len + kChunk - 1) / kChunk;
+  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
+  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+
+  float hacc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
+      }
+  auto store_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+          hs[r * LDH + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
+        }
+  };
+  store_h();
+  __syncthreads();
+
+  auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
+  float4 wa[KS];
+  float u0r[NT][4];
+  KRaw ka[MT * CS];
+  float dec[MT][2];
+  auto load_w = [&](int ci) {
+    const float* ws = chunk_ws(ci);
+    const float4* wf = reinterpret_cast<const float4*>(ws + WL.w) + wi * KS * 32 + lane;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) wa[ks] = __ldg(wf + ks * 32);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int cl = nt * 8 + 2 * t4 + (e & 1);
+        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL.u + r * V + v0 + cl) : 0.f;
+      }
+  };
+  auto load_k = [&](int ci) {
+    const float* ws = chunk_ws(ci);
+    const int ki = wi * MT * CS * 32 + lane;  // tile-lane index of this warp's first k~^T fragment
+#pragma unroll
+    for (int i = 0; i < MT * CS; ++i) ka[i] = ws_frag_raw<HALF>(ws + WL.kg, ki + i * 32);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      dec[mt][0] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq);
+      dec[mt][1] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq + 8);
+    }
+  };
+  // PREK: k~^T / decay of chunk ci + 1 prefetched during chunk ci (register budget: the 16-column bf16 variants
+  // and K <= 64). Otherwise k~^T of chunk ci is loaded after U (its latency overlaps the barrier) and w / u0 of
+  // chunk ci + 1 after the h update, so the two prefetches are never live at once (no spills at 255 registers).
+  constexpr bool PREK = KP == 64 || (BV == 16 && !PRECISE);
+  if (nch > 0) {
+    load_w(0);
+    if constexpr (PREK) load_k(0);
+  }
+
+  for (int ci = 0; ci < nch; ++ci) {
+    float* ws = chunk_ws(ci);
+    // the chunk-start state, from the fp32 registers (the recurrence itself stays fp32)
+    {
+      const int64_t hb = (static_cast<int64_t>(c_first + ci) * HV + hv) * K * V;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = (wi * MT + mt) * 16 + gq + hh * 8;
+            const int c = v0 + nt * 8 + 2 * t4;
+            if (r < K)
+              store_pair<HALF>(p.hc, hb + static_cast<int64_t>(r) * V + c, hacc[mt][nt][2 * hh],
+                               hacc[mt][nt][2 * hh + 1], c < V, c + 1 < V, veven);
+          }
+    }
+
+    // U = u0 - w h
+    float a0[NT][4], a1[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks += 2) {
+      mma_row_tiles<PRECISE>(a0, wa[ks], hs, LDH, ks * 8, t4, gq);
+      mma_row_tiles<PRECISE>(a1, wa[ks + 1], hs, LDH, (ks + 1) * 8, t4, gq);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int cl = nt * 8 + 2 * t4;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = wi * 16 + gq + hh * 8;
+        const float x0 = u0r[nt][2 * hh] - (a0[nt][2 * hh] + a1[nt][2 * hh]);
+        const float x1 = u0r[nt][2 * hh + 1] - (a0[nt][2 * hh + 1] + a1[nt][2 * hh + 1]);
+        Us[r * LDH + cl] = x0;
+        Us[r * LDH + cl + 1] = x1;
+        store_pair<false>(ws + WL.u, static_cast<int64_t>(r) * V + v0 + cl, x0, x1, v0 + cl < V, v0 + cl + 1 < V,
+                          veven);
+      }
+    }
+    if constexpr (PREK) {
+      if (ci + 1 < nch) load_w(ci + 1);
+    } else {
+      load_k(ci);
+    }
+    __syncthreads();
+
+    // h <- Diag(decay) h + k~^T U
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float b0[NT][4], b1[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) b0[nt][e] = b1[nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < CS; ks += 2) {
+        mma_row_tiles<PRECISE>(b0, frag_unpack(ka[mt * CS + ks]), Us, LDH, ks * 8, t4, gq);
+        mma_row_tiles<PRECISE>(b1, frag_unpack(ka[mt * CS + ks + 1]), Us, LDH, (ks + 1) * 8, t4, gq);
+      }
+      const float d0 = dec[mt][0], d1 = dec[mt][1];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        hacc[mt][nt][0] = fmaf(hacc[mt][nt][0], d0, b0[nt][0] + b1[nt][0]);
+        hacc[mt][nt][1] = fmaf(hacc[mt][nt][1], d0, b0[nt][1] + b1[nt][1]);
+        hacc[mt][nt][2] = fmaf(hacc[mt][nt][2], d1, b0[nt][2] + b1[nt][2]);
+        hacc[mt][nt][3] = fmaf(hacc[mt][nt][3], d1, b0[nt][3] + b1[nt][3]);
+      }
+    }
+    if (ci + 1 < nch) {
+      if constexpr (PREK) load_k(ci + 1);
+      else load_w(ci + 1);
+    }
+    store_h();  // every warp finished reading hs (U) before the barrier above
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
+      }
+}
+
+// Parallel part of the split scan: block = (global chunk, value head, 64 columns), 4 warps; warp wi computes rows
+// 16wi..16wi+15 of o = q~ h_c + A~ U for the block's columns. h_c (KP x 64, zero past K / V) and U (64 x 64) are
+// staged in shared memory as fp32 (16-byte loads when V allows), the A fragments of q~ and A~ (lower tiles only)
+// go to registers first.
+constexpr int kOutBV = 64;
+template <int KP>
+struct OutSmem {
+  static constexpr int LD = kOutBV + 8;  // conflict-free B-fragment reads, 16-byte aligned rows
+  static constexpr size_t bytes = sizeof(float) * (KP + kChunk) * LD;
+};
+
+template <int KP, bool PRECISE, bool HALF>
+__global__ void __launch_bounds__(kScanThreads) delta_chunk_out_kernel(const ChunkFwdParams p) {
+  constexpr int BVO = kOutBV, LD = OutSmem<KP>::LD, NT = BVO / 8, KS = KP / 8, CS = kChunk / 8;
+  constexpr int TH = kScanThreads;
+  using Raw = typename WsFragRaw<HALF>::type;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* hs = reinterpret_cast<float*>(smem);  // [KP][LD]
+  float* Us = hs + KP * LD;                    // [64][LD]
+
+  const int cid = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BVO;
+  int64_t tok0;
+  int L;
+  if (!chunk_coords(p, cid, tok0, L)) return;
+  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const WsLayout<KP> WL(HALF);
+  const float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
+
+  Raw qa[KS], aa[CS];
+  {
+    const int qi = wi * KS * 32 + lane, ai = wi * CS * 32 + lane;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) qa[ks] = ws_frag_raw<HALF>(ws + WL.qg, qi + ks * 32);
+#pragma unroll
+    for (int ks = 0; ks < CS; ++ks) aa[ks] = ks < 2 * wi + 2 ? ws_frag_raw<HALF>(ws + WL.aqk, ai + ks * 32) : Raw{};
+  }
+
+  // h_c -> hs
+  const int64_t hb = (static_cast<int64_t>(cid) * HV + hv) * K * V;
+  if constexpr (HALF) {
+    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.hc) + hb;
+    if ((V & 7) == 0) {
+      constexpr int G = BVO / 8, PER = KP * G / TH;  // 8 columns (16 bytes) per load
+      uint4 x[PER];
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 8;
+        x[u] = (r < K && v0 + c < V) ? __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * V + v0 + c))
+                                     : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 8;
+        float4* d = reinterpret_cast<float4*>(hs + r * LD + c);
+        d[0] = frag_unpack(make_uint2(x[u].x, x[u].y));
+        d[1] = frag_unpack(make_uint2(x[u].z, x[u].w));
+      }
+    } else {
+      for (int i = tid; i < KP * BVO; i += TH) {
+        const int r = i / BVO, c = i % BVO;
+        hs[r * LD + c] = (r < K && v0 + c < V) ? __bfloat162float(src[static_cast<int64_t>(r) * V + v0 + c]) : 0.f;
+      }
+    }
+  } else {
+    const float* src = static_cast<const float*>(p.hc) + hb;
+    if ((V & 3) == 0) {
+      constexpr int G = BVO / 4, PER = KP * G / TH;
+      float4 x[PER];
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
+        x[u] = (r < K && v0 + c < V) ? __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(r) * V + v0 + c))
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
+        *reinterpret_cast<float4*>(hs + r * LD + c) = x[u];
+      }
+    } else {
+      for (int i = tid; i < KP * BVO; i += TH) {
+        const int r = i / BVO, c = i % BVO;
+        hs[r * LD + c] = (r < K && v0 + c < V) ? __ldg(src + static_cast<int64_t>(r) * V + v0 + c) : 0.f;
+      }
+    }
+  }
+  // U -> Us (fp32, row-major [64 x V] in the workspace)
+  {
+    const float* src = ws + WL.u;
+    if ((V & 3) == 0) {
+      constexpr int G = BVO / 4, PER = kChunk * G / TH;
+      float4 x[PER];
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
+        x[u] = (v0 + c < V) ? __ldg(reinterpret_cast<const float4*>(src + r * V + v0 + c))
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
+        *reinterpret_cast<float4*>(Us + r * LD + c) = x[u];
+      }
+    } else {
+      for (int i = tid; i < kChunk * BVO; i += TH) {
+        const int r = i / BVO, c = i % BVO;
+        Us[r * LD + c] = (v0 + c < V) ? __ldg(src + r * V + v0 + c) : 0.f;
+      }
+    }
+  }
+  __syncthreads();
+
+  float a0[NT][4], a1[NT][4];  // q~ h_c and A~ U: two independent chains
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) mma_row_tiles<PRECISE>(a0, frag_unpack(qa[ks]), hs, LD, ks * 8, t4, gq);
+#pragma unroll
+  for (int ks = 0; ks < CS; ++ks)
+    if (ks < 2 * wi + 2) mma_row_tiles<PRECISE>(a1, frag_unpack(aa[ks]), Us, LD, ks * 8, t4, gq);
+  const bool veven = (V & 1) == 0;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = wi * 16 + gq + hh * 8;
+      const int c = v0 + nt * 8 + 2 * t4;
+      if (r < L)
+        store_out_pair(p.o, ((tok0 + r) * HV + hv) * V + c, p.in_dtype, a0[nt][2 * hh] + a1[nt][2 * hh],
+                       a0[nt][2 * hh + 1] + a1[nt][2 * hh + 1], c < V, c + 1 < V, veven);
+    }
 }
 
 }  // namespace cuda

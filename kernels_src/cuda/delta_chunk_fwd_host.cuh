@@ -4,6 +4,9 @@
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
 // as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
+// The scan is split in a sequential state kernel and a parallel output kernel (KDA_CUDA_CHUNK_SCAN=1: the single
+// scan kernel of sessions 1-4); the chunk-start states it passes between them take K*V*2 bytes per (chunk, head)
+// (bf16; fp32 inputs or KDA_CUDA_CHUNK_WS_BF16=0: 4 bytes).
 #pragma once
 
 #include "delta_chunk_fwd.cuh"
@@ -79,6 +82,45 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Split scan (p.hc set): the sequential state kernel over (sequence, head, BV columns), then the parallel output
+// kernel over (chunk, head, 64 columns).
+template <int KP, int BV, bool PRECISE>
+void launch_chunk_state(const ChunkFwdParams& p, cudaStream_t st) {
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
+  if constexpr (PRECISE) {
+    delta_chunk_state_kernel<KP, BV, true, false><<<grid, kScanThreads, 0, st>>>(p);
+  } else {
+    if (p.ws_bf16) delta_chunk_state_kernel<KP, BV, false, true><<<grid, kScanThreads, 0, st>>>(p);
+    else delta_chunk_state_kernel<KP, BV, false, false><<<grid, kScanThreads, 0, st>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int KP, bool PRECISE, bool HALF>
+void launch_chunk_out_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = OutSmem<KP>::bytes;
+  auto kern = delta_chunk_out_kernel<KP, PRECISE, HALF>;
+  static bool configured = false;  // once per instantiation
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + kOutBV - 1) / kOutBV));
+  kern<<<grid, kScanThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int KP, bool PRECISE>
+void launch_chunk_out(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if constexpr (PRECISE) {
+    launch_chunk_out_t<KP, true, false>(p, max_chunks, st);
+  } else {
+    if (p.ws_bf16) launch_chunk_out_t<KP, false, true>(p, max_chunks, st);
+    else launch_chunk_out_t<KP, false, false>(p, max_chunks, st);
+  }
+}
+
 template <bool PC, int KP, bool PRECISE>
 void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks > 0) {
@@ -95,8 +137,18 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   // 16 columns per block when 32 would leave SMs idle
   const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
   const bool narrow = bv == 16 || (bv != 32 && static_cast<int64_t>(p.N) * p.HV * ((p.V + 31) / 32) < 2LL * num_sms());
-  if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
-  else launch_chunk_scan<KP, 32, PRECISE>(p, st);
+  if (p.hc != nullptr) {  // split scan; fp32 inputs: 16 columns (3xTF32 at 32 columns spilled 444 bytes)
+    if constexpr (PRECISE) {
+      launch_chunk_state<KP, 16, PRECISE>(p, st);
+    } else {
+      if (narrow) launch_chunk_state<KP, 16, PRECISE>(p, st);
+      else launch_chunk_state<KP, 32, PRECISE>(p, st);
+    }
+    if (max_chunks > 0) launch_chunk_out<KP, PRECISE>(p, max_chunks, st);
+  } else {  // KDA_CUDA_CHUNK_SCAN=1: the single scan kernel (o inside the sequential loop)
+    if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
+    else launch_chunk_scan<KP, 32, PRECISE>(p, st);
+  }
 }
 
 template <bool PC>
@@ -148,6 +200,14 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(max_chunks < (1LL << 31), "[", op, "] too many chunks");
   at::Tensor ws = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
   p.ws = ws.data_ptr<float>();
+  // Split scan (default; KDA_CUDA_CHUNK_SCAN=1: the single scan kernel, read at every call): the chunk-start
+  // states, K x V per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
+  at::Tensor hc;
+  if (env_int("KDA_CUDA_CHUNK_SCAN", 2) != 1) {
+    hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
+                   q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
+    p.hc = hc.data_ptr();
+  }
   const bool precise = p.in_dtype == kF32;
   const int mc = static_cast<int>(max_chunks);
   if (KP == 64) {
