@@ -96,6 +96,8 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                                         static_cast<int>(cb::kStateBwd2Smem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kGradSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kGradSmem)));
     attrs_set = true;
   }
   cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
@@ -122,7 +124,11 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   }
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    // grad kernel: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare; read on every call)
+    if (env_int("KDA_CUDA_CHUNK_BWD_GRAD", 2) == 1)
+      cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    else
+      cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dq, dk, dg, dbeta, dv, dh0};
