@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
+    ap.add_argument("--bwd-grad-v1", action="store_true",
+                    help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
+                         "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -69,6 +72,10 @@ def main():
             os.environ["KDA_CUDA_CHUNK_BWD_STATE"] = "1"
             res[family]["bwd_state_v1"] = kernel_times(fns["bwd"])
             del os.environ["KDA_CUDA_CHUNK_BWD_STATE"]
+        if args.bwd_grad_v1:
+            os.environ["KDA_CUDA_CHUNK_BWD_GRAD"] = os.environ["KDA_CUDA_CHUNK_BWD_PREP"] = "1"
+            res[family]["bwd_grad_v1"] = kernel_times(fns["bwd"])
+            del os.environ["KDA_CUDA_CHUNK_BWD_GRAD"], os.environ["KDA_CUDA_CHUNK_BWD_PREP"]
     print(json.dumps(res, indent=1))
 
 

@@ -168,13 +168,17 @@ __global__ void chunk_table_kernel(Params p) {
 // smem: q, k, a [CH][KP], aqk, akk [CH][CH], X [CH][W], beta [CH]
 constexpr size_t kPrepSmem = (3 * CH * KP + 2 * CH * CH + CH * W + CH) * sizeof(float);
 
-template <bool PC>
+// FS2 (the default; false with KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare): the forward substitution with the
+// thread's column of X in registers (row t of A_kk read as broadcast float4, 4 partial sums) instead of a
+// 2016-long dependent chain with a shared load per FMA, and the A_qk / A_kk pair loop unrolled 4 (four pairs'
+// warp reductions in flight together).
+template <bool PC, bool FS2 = true>
 __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   ChunkPos cp;
   const int hv = blockIdx.y;
   if (!chunk_pos(p, blockIdx.x, cp)) return;
   const int cid = blockIdx.x;
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   float* q = sm;
   float* k = q + CH * KP;
   float* a = k + CH * KP;
@@ -240,6 +244,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
         aqk[t * CH + j] = 0.f;
         akk[t * CH + j] = 0.f;
       }
+#pragma unroll 4
       for (int j = t - 1; j >= 0; --j) {
         float sqk = 0.f, skk = 0.f;
 #pragma unroll
@@ -260,7 +265,29 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   }
   __syncthreads();
   // (I + L) X = RHS by forward substitution, one thread per column of X (W == NT)
-  {
+  if (FS2) {
+    const int col = tid;
+    float x[CH];
+#pragma unroll
+    for (int t = 0; t < CH; ++t) x[t] = X[t * W + col];
+#pragma unroll
+    for (int t = 1; t < CH; ++t) {
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+      for (int j4 = 0; j4 < CH; j4 += 4) {
+        if (j4 < t) {  // compile-time after unrolling
+          const float4 l = *reinterpret_cast<const float4*>(akk + t * CH + j4);
+          if (j4 + 0 < t) s0 = fmaf(l.x, x[j4 + 0], s0);
+          if (j4 + 1 < t) s1 = fmaf(l.y, x[j4 + 1], s1);
+          if (j4 + 2 < t) s2 = fmaf(l.z, x[j4 + 2], s2);
+          if (j4 + 3 < t) s3 = fmaf(l.w, x[j4 + 3], s3);
+        }
+      }
+      x[t] = fmaf(-beta[t], (s0 + s1) + (s2 + s3), x[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < CH; ++t) X[t * W + col] = x[t];
+  } else {
     const int col = tid;
     for (int t = 1; t < CH; ++t) {
       float x = X[t * W + col];
