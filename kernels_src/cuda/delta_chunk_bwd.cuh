@@ -20,6 +20,8 @@
 //   grad         per chunk, all chunks in parallel: the V contractions (dQG, dKend, dw, dA_qk, dGam_last),
 //                the WY backward (back substitution with (I + L)^T), dv, dbeta, and the gate gradient formed
 //                directly (each dg_i sums only terms whose decay factor contains a_i: no cancelling +/- pairs)
+//                (grad2_kernel, the default, is the latency-restructured version, see "grad v2" below; grad_kernel
+//                is v1, KDA_CUDA_CHUNK_BWD_GRAD=1)
 // K <= 128 and V <= 128 (the host routes larger heads to the recurrent backward).
 #pragma once
 
