@@ -56,6 +56,9 @@ def main():
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
     ap.add_argument("--scan-single", action="store_true",
                     help="also time the forward with the single scan kernel (KDA_CUDA_CHUNK_SCAN=1) as fwd_scan_single")
+    ap.add_argument("--bwd-grad-v1", action="store_true",
+                    help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
+                         "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -71,18 +74,20 @@ def main():
     for family in args.families.split(","):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
-        if args.scan_single and "fwd" in phases:  # the host reads the knob on every call
-            old = os.environ.get("KDA_CUDA_CHUNK_SCAN")
-            os.environ["KDA_CUDA_CHUNK_SCAN"] = "1"
-            res[family]["fwd_scan_single"] = kernel_times(fns["fwd"])
-            if old is None:
-                del os.environ["KDA_CUDA_CHUNK_SCAN"]
-            else:
-                os.environ["KDA_CUDA_CHUNK_SCAN"] = old
-        if args.bwd_state_v1 and "bwd" in phases:  # the host reads the knob on every call
-            os.environ["KDA_CUDA_CHUNK_BWD_STATE"] = "1"
-            res[family]["bwd_state_v1"] = kernel_times(fns["bwd"])
-            del os.environ["KDA_CUDA_CHUNK_BWD_STATE"]
+        # the older kernels, selected by knobs the host code reads on every call, timed in the same process
+        for flag, phase, name, knobs in ((args.scan_single, "fwd", "fwd_scan_single", ("KDA_CUDA_CHUNK_SCAN",)),
+                                         (args.bwd_state_v1, "bwd", "bwd_state_v1", ("KDA_CUDA_CHUNK_BWD_STATE",)),
+                                         (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
+                                          ("KDA_CUDA_CHUNK_BWD_GRAD", "KDA_CUDA_CHUNK_BWD_PREP"))):
+            if flag and phase in phases:
+                saved = {kn: os.environ.get(kn) for kn in knobs}
+                os.environ.update({kn: "1" for kn in knobs})
+                res[family][name] = kernel_times(fns[phase])
+                for kn, val in saved.items():
+                    if val is None:
+                        del os.environ[kn]
+                    else:
+                        os.environ[kn] = val
     print(json.dumps(res, indent=1))
 
 

@@ -20,10 +20,13 @@
 //   grad         per chunk, all chunks in parallel: the V contractions (dQG, dKend, dw, dA_qk, dGam_last),
 //                the WY backward (back substitution with (I + L)^T), dv, dbeta, and the gate gradient formed
 //                directly (each dg_i sums only terms whose decay factor contains a_i: no cancelling +/- pairs)
+//                (grad2_kernel, the default, is the latency-restructured version, see "grad v2" below; grad_kernel
+//                is v1, KDA_CUDA_CHUNK_BWD_GRAD=1)
 // K <= 128 and V <= 128 (the host routes larger heads to the recurrent backward).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "delta_common.cuh"
 
@@ -66,7 +69,7 @@ struct Params {
 
 // C(m, n) (+)= alpha * sum_k A[m*ar + k*ac] * B[k*br + n*bc], for M, N multiples of 4. Each thread owns 4 rows
 // x 4 columns (columns n0, n0 + N/4, ...: a warp reads consecutive B columns). No barrier inside.
-template <bool ACC>
+template <bool ACC, int UNR = 4>
 __device__ __forceinline__ void bgemm(int M, int N, int Kd, float alpha, const float* __restrict__ A, int ar, int ac,
                                       const float* __restrict__ Bm, int br, int bc, float* __restrict__ C, int ldc) {
   const int nq = N >> 2;
@@ -78,7 +81,7 @@ __device__ __forceinline__ void bgemm(int M, int N, int Kd, float alpha, const f
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-#pragma unroll 4
+#pragma unroll UNR
     for (int kk = 0; kk < Kd; ++kk) {
       float a[4], b[4];
 #pragma unroll
@@ -167,13 +170,17 @@ __global__ void chunk_table_kernel(Params p) {
 // smem: q, k, a [CH][KP], aqk, akk [CH][CH], X [CH][W], beta [CH]
 constexpr size_t kPrepSmem = (3 * CH * KP + 2 * CH * CH + CH * W + CH) * sizeof(float);
 
-template <bool PC>
+// FS2 (the default; false with KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare): the forward substitution with the
+// thread's column of X in registers (row t of A_kk read as broadcast float4, 4 partial sums) instead of a
+// 2016-long dependent chain with a shared load per FMA, and the A_qk / A_kk pair loop unrolled 4 (four pairs'
+// warp reductions in flight together).
+template <bool PC, bool FS2 = true>
 __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   ChunkPos cp;
   const int hv = blockIdx.y;
   if (!chunk_pos(p, blockIdx.x, cp)) return;
   const int cid = blockIdx.x;
-  extern __shared__ float sm[];
+  extern __shared__ __align__(16) float sm[];
   float* q = sm;
   float* k = q + CH * KP;
   float* a = k + CH * KP;
@@ -239,6 +246,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
         aqk[t * CH + j] = 0.f;
         akk[t * CH + j] = 0.f;
       }
+#pragma unroll 4
       for (int j = t - 1; j >= 0; --j) {
         float sqk = 0.f, skk = 0.f;
 #pragma unroll
@@ -259,7 +267,29 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   }
   __syncthreads();
   // (I + L) X = RHS by forward substitution, one thread per column of X (W == NT)
-  {
+  if (FS2) {
+    const int col = tid;
+    float x[CH];
+#pragma unroll
+    for (int t = 0; t < CH; ++t) x[t] = X[t * W + col];
+#pragma unroll
+    for (int t = 1; t < CH; ++t) {
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+      for (int j4 = 0; j4 < CH; j4 += 4) {
+        if (j4 < t) {  // compile-time after unrolling
+          const float4 l = *reinterpret_cast<const float4*>(akk + t * CH + j4);
+          if (j4 + 0 < t) s0 = fmaf(l.x, x[j4 + 0], s0);
+          if (j4 + 1 < t) s1 = fmaf(l.y, x[j4 + 1], s1);
+          if (j4 + 2 < t) s2 = fmaf(l.z, x[j4 + 2], s2);
+          if (j4 + 3 < t) s3 = fmaf(l.w, x[j4 + 3], s3);
+        }
+      }
+      x[t] = fmaf(-beta[t], (s0 + s1) + (s2 + s3), x[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < CH; ++t) X[t * W + col] = x[t];
+  } else {
     const int col = tid;
     for (int t = 1; t < CH; ++t) {
       float x = X[t * W + col];
@@ -1005,6 +1035,563 @@ __global__ void __launch_bounds__(NT, 1) grad_kernel(Params p) {
     for (int j = 0; j < CH; ++j) {
       atomicAdd(&R1[j * KP + c], dkacc[j]);
       atomicAdd(&dg[j * W + c], dgacc[j]);
+    }
+  }
+  __syncthreads();
+  // gate-free diagonal of A_qk, then write out
+  for (int i = tid; i < CH * KP; i += NT) {
+    const int t = i / KP;
+    const float dd = R3[t * CH + t];
+    R0[i] = fmaf(dd, ks[i], R0[i]);
+    R1[i] = fmaf(dd, qs[i], R1[i]);
+  }
+  __syncthreads();
+  for (int i = tid; i < cp.Cc * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    if (c < K) {
+      const int64_t o = tok(t) * K + c;
+      p.dq[o] = R0[i];
+      p.dk[o] = R1[i];
+      p.dg[o] = dg[t * W + c];
+    }
+  }
+  if (tid < cp.Cc) p.dbeta[tok(tid)] = dbeta[tid];
+}
+
+// ------------------------------------------------------------------------------------------------ grad v2
+// The same quantities as grad_kernel above (v1, still built; KDA_CUDA_CHUNK_BWD_GRAD=1 selects it), restructured
+// for latency (issue #7, session 4):
+//  - staging: every global operand of a step is loaded into registers before any shared store (stage A and the
+//    dL tiles: the next 32-column slice is in flight while the current one is contracted), the gates are read once
+//    (held in registers by the channel's thread through the C1 passes, then written to shared memory for C2);
+//  - back substitution with (I + L)^T: the thread's column of dX in 64 registers, right-looking (row s final ->
+//    all rows t < s updated: independent FMAs, L's row s read as broadcast float4) instead of a 2016-long
+//    dependent chain with two shared loads per FMA;
+//  - C2, the intra-chunk A_qk / A_kk terms with exact per-channel decays, in 4 sub-blocks of 16 rows: pairs
+//    inside a sub-block as in v1 (running product), pairs across sub-blocks through the factorisation
+//    E[t, j] = Gam^B_t M_{B,b} Eend^b_j (t in sub-block B, j in b < B; Gam^B_t = prod of a over B's rows up to t,
+//    M_{B,b} = product of the totals of the sub-blocks strictly between, Eend^b_j = prod over b's rows after j),
+//    all factors running products of a_i <= 1. 2016 pairs per channel with a serial decay chain and predicated
+//    half-empty unrolled loops (v1) become 480 direct pairs plus 16-wide contractions. dg stays direct: for i in
+//    sub-block beta the pairs (t, j) with j < i <= t are (1) both in beta (direct), (2) j in beta, t later:
+//    k_j dkcol_j summed over j < i in beta, (3) t in beta, j earlier: (q_t dqrow_t + k_t dkrow_t) summed over
+//    t >= i in beta, (4) j before beta, t after beta: one value F_beta per channel for the whole sub-block, from
+//    the block-pair sums. No term is added and later subtracted.
+constexpr int SB = 16;  // rows of a C2 sub-block
+
+__host__ __device__ __forceinline__ void sadd(float* p, float x) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(p, x);
+#else
+  *p += x;
+#endif
+}
+
+// C2 operands in shared memory: q, k [CH][KP]; a = e^g [CH] rows of stride W; dA_qk (lower incl. diagonal, only
+// j < t read here), dA_kk (strictly lower) [CH][CH]; accumulators dq, dk [CH][KP] and dg rows of stride W.
+struct C2Smem {
+  const float *qs, *ks, *as, *xq, *xk;
+  float *dq, *dk, *dg;
+};
+
+// Pairs inside sub-block b for channel c (v1's per-pair loop, 120 pairs).
+__host__ __device__ __forceinline__ void c2_intra(const C2Smem& m, int b, int c) {
+  const int s = b * SB;
+  float a[SB], kk[SB], qq[SB], dkacc[SB], dgacc[SB];
+#pragma unroll
+  for (int i = 0; i < SB; ++i) {
+    a[i] = m.as[(s + i) * W + c];
+    kk[i] = m.ks[(s + i) * KP + c];
+    qq[i] = m.qs[(s + i) * KP + c];
+    dkacc[i] = 0.f;
+    dgacc[i] = 0.f;
+  }
+#pragma unroll
+  for (int tt = 1; tt < SB; ++tt) {
+    const int t = s + tt;
+    float Tj[SB];
+    float e = 1.f, dqa = 0.f, dka = 0.f;
+#pragma unroll
+    for (int jj = SB - 2; jj >= 0; --jj) {
+      if (jj < tt) {  // compile-time after unrolling
+        e *= a[jj + 1];
+        const float x1 = m.xq[t * CH + s + jj], x2 = m.xk[t * CH + s + jj];
+        const float ke = kk[jj] * e;
+        dqa = fmaf(x1, ke, dqa);
+        dka = fmaf(x2, ke, dka);
+        const float mm = (x1 * qq[tt] + x2 * kk[tt]) * e;
+        dkacc[jj] += mm;
+        Tj[jj] = mm * kk[jj];
+      }
+    }
+    sadd(&m.dq[t * KP + c], dqa);
+    sadd(&m.dk[t * KP + c], dka);
+    float run = 0.f;
+#pragma unroll
+    for (int i = 1; i < SB; ++i) {
+      if (i <= tt) {
+        run += Tj[i - 1];
+        dgacc[i] += run;
+      }
+    }
+  }
+#pragma unroll
+  for (int jj = 0; jj < SB; ++jj) {
+    sadd(&m.dk[(s + jj) * KP + c], dkacc[jj]);
+    sadd(&m.dg[(s + jj) * W + c], dgacc[jj]);
+  }
+}
+
+// Rows t of sub-blocks 1..3 against the earlier sub-blocks, channel c:
+//   dq_t += Gam^B_t sum_{b<B} M_{B,b} sum_{j in b} dA_qk[t, j] k_j Eend^b_j   (dk_t likewise with dA_kk),
+//   dg_i += sum_{t in B, t >= i} (q_t dqrow_t + k_t dkrow_t)                    (term 3, i in B)
+__host__ __device__ __forceinline__ void c2_rows(const C2Smem& m, int c) {
+  float ke[3 * SB], G[3];
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    float e = 1.f;
+#pragma unroll
+    for (int jj = SB - 1; jj >= 0; --jj) {
+      const int j = b * SB + jj;
+      ke[j] = m.ks[j * KP + c] * e;
+      e *= m.as[j * W + c];
+    }
+    G[b] = e;
+  }
+#pragma unroll
+  for (int B = 1; B < 4; ++B) {
+    float r[SB];
+    float gam = 1.f;
+#pragma unroll
+    for (int tt = 0; tt < SB; ++tt) {
+      const int t = B * SB + tt;
+      gam *= m.as[t * W + c];
+      float aq = 0.f, ak = 0.f, mu = 1.f;  // mu = M_{B,b}
+#pragma unroll
+      for (int b = B - 1; b >= 0; --b) {
+        float sq0 = 0.f, sq1 = 0.f, sk0 = 0.f, sk1 = 0.f;
+#pragma unroll
+        for (int j4 = 0; j4 < SB; j4 += 4) {
+          const float4 x1 = *reinterpret_cast<const float4*>(m.xq + t * CH + b * SB + j4);
+          const float4 x2 = *reinterpret_cast<const float4*>(m.xk + t * CH + b * SB + j4);
+          const float* kj = ke + b * SB + j4;
+          sq0 = fmaf(x1.x, kj[0], sq0);
+          sq1 = fmaf(x1.y, kj[1], sq1);
+          sq0 = fmaf(x1.z, kj[2], sq0);
+          sq1 = fmaf(x1.w, kj[3], sq1);
+          sk0 = fmaf(x2.x, kj[0], sk0);
+          sk1 = fmaf(x2.y, kj[1], sk1);
+          sk0 = fmaf(x2.z, kj[2], sk0);
+          sk1 = fmaf(x2.w, kj[3], sk1);
+        }
+        aq = fmaf(mu, sq0 + sq1, aq);
+        ak = fmaf(mu, sk0 + sk1, ak);
+        mu *= G[b];
+      }
+      const float dqi = gam * aq, dki = gam * ak;
+      sadd(&m.dq[t * KP + c], dqi);
+      sadd(&m.dk[t * KP + c], dki);
+      r[tt] = fmaf(m.qs[t * KP + c], dqi, m.ks[t * KP + c] * dki);
+    }
+    float run = 0.f;
+#pragma unroll
+    for (int tt = SB - 1; tt >= 0; --tt) {
+      run += r[tt];
+      sadd(&m.dg[(B * SB + tt) * W + c], run);
+    }
+  }
+}
+
+// Columns j of sub-blocks 0..2 against the later sub-blocks, channel c: with
+//   v_{b,B}[j] = sum_{t in B} (dA_qk[t, j] q_t + dA_kk[t, j] k_t) Gam^B_t,
+//   dk_j += Eend^b_j sum_{B>b} M_{B,b} v_{b,B}[j]  (= dkcol_j),  dg_i += sum_{j in b, j < i} k_j dkcol_j (term 2),
+//   F_beta = sum_{b < beta < B} M_{B,b} sum_{j in b} k_j Eend^b_j v_{b,B}[j] added to dg_i for i in beta (term 4).
+__host__ __device__ __forceinline__ void c2_cols(const C2Smem& m, int c) {
+  float F1 = 0.f, F2 = 0.f;
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    float eb[SB], kb[SB], dcol[SB];
+    float e = 1.f;
+#pragma unroll
+    for (int jj = SB - 1; jj >= 0; --jj) {
+      const int j = b * SB + jj;
+      eb[jj] = e;
+      kb[jj] = m.ks[j * KP + c];
+      dcol[jj] = 0.f;
+      e *= m.as[j * W + c];
+    }
+    float mu = 1.f;  // M_{B,b}
+#pragma unroll
+    for (int B = b + 1; B < 4; ++B) {
+      float v[SB];
+#pragma unroll
+      for (int jj = 0; jj < SB; ++jj) v[jj] = 0.f;
+      float gm = 1.f;
+#pragma unroll
+      for (int tt = 0; tt < SB; ++tt) {
+        const int t = B * SB + tt;
+        gm *= m.as[t * W + c];
+        const float qg = m.qs[t * KP + c] * gm, kg = m.ks[t * KP + c] * gm;
+#pragma unroll
+        for (int j4 = 0; j4 < SB; j4 += 4) {
+          const float4 x1 = *reinterpret_cast<const float4*>(m.xq + t * CH + b * SB + j4);
+          const float4 x2 = *reinterpret_cast<const float4*>(m.xk + t * CH + b * SB + j4);
+          v[j4 + 0] = fmaf(x1.x, qg, fmaf(x2.x, kg, v[j4 + 0]));
+          v[j4 + 1] = fmaf(x1.y, qg, fmaf(x2.y, kg, v[j4 + 1]));
+          v[j4 + 2] = fmaf(x1.z, qg, fmaf(x2.z, kg, v[j4 + 2]));
+          v[j4 + 3] = fmaf(x1.w, qg, fmaf(x2.w, kg, v[j4 + 3]));
+        }
+      }
+      float sv = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < SB; ++jj) {
+        sv = fmaf(kb[jj] * eb[jj], v[jj], sv);
+        dcol[jj] = fmaf(mu, v[jj], dcol[jj]);
+      }
+      const float fs = mu * sv;
+      if (b == 0 && B >= 2) F1 += fs;
+      if (b <= 1 && B == 3) F2 += fs;
+      mu *= gm;  // gm = total of sub-block B
+    }
+    float run = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < SB; ++jj) {
+      const int j = b * SB + jj;
+      const float d = eb[jj] * dcol[jj];
+      sadd(&m.dk[j * KP + c], d);
+      if (jj > 0) sadd(&m.dg[j * W + c], run);
+      run = fmaf(kb[jj], d, run);
+    }
+  }
+#pragma unroll
+  for (int tt = 0; tt < SB; ++tt) {
+    sadd(&m.dg[(SB + tt) * W + c], F1);
+    sadd(&m.dg[(2 * SB + tt) * W + c], F2);
+  }
+}
+
+// Right-looking back substitution of one column: x <- (I + L)^{-T} x, L strictly lower [CH][CH] in shared memory
+// (row s read as broadcast float4; entries on and above the diagonal are not used).
+__host__ __device__ __forceinline__ void back_subst_col(float (&x)[CH], const float* L) {
+#pragma unroll
+  for (int s = CH - 1; s >= 1; --s) {
+    const float xs = x[s];
+#pragma unroll
+    for (int t4 = 0; t4 < CH; t4 += 4) {
+      if (t4 < s) {
+        const float4 l = *reinterpret_cast<const float4*>(L + s * CH + t4);
+        if (t4 + 0 < s) x[t4 + 0] = fmaf(-l.x, xs, x[t4 + 0]);
+        if (t4 + 1 < s) x[t4 + 1] = fmaf(-l.y, xs, x[t4 + 1]);
+        if (t4 + 2 < s) x[t4 + 2] = fmaf(-l.z, xs, x[t4 + 2]);
+        if (t4 + 3 < s) x[t4 + 3] = fmaf(-l.w, xs, x[t4 + 3]);
+      }
+    }
+  }
+}
+
+// Typed element load (the dtype switch hoisted out of the staging loops so that their loads are issued together).
+template <typename T>
+__device__ __forceinline__ float ld_elem(const void* p, int64_t i) {
+  if constexpr (sizeof(T) == 2) {
+    if constexpr (std::is_same<T, __half>::value) return __half2float(static_cast<const __half*>(p)[i]);
+    else return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  } else {
+    return static_cast<const float*>(p)[i];
+  }
+}
+
+template <bool PC>
+__global__ void __launch_bounds__(NT, 1) grad2_kernel(Params p) {
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  extern __shared__ __align__(16) float sm[];
+  float* R0 = sm;
+  float* R1 = R0 + CH * KP;
+  float* R2 = R1 + CH * KP;
+  float* R3 = R2 + CH * W;
+  float* R4 = R3 + CH * CH;
+  float* R5 = R4 + CH * CH;
+  float* beta = R5 + kR5;
+  float* dbeta = beta + CH;
+  float* gl = dbeta + CH;
+  float* dgl = gl + KP;
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const size_t sbase = (static_cast<size_t>(cid) * HV + hv) * K * V;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+
+  // ---- stage A operands of a 32-column slice, prefetched into registers (element i = tid + r NT of each tile)
+  float pS[16], pD[16], pO[8], pU[8];
+  auto ld_slice = [&](int v0) {
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int i = tid + r * NT, c = i >> 5, v = i & 31;
+      const bool ok = c < K && v0 + v < V;
+      const size_t o = sbase + static_cast<size_t>(c) * V + v0 + v;
+      pS[r] = ok ? p.hs[o] : 0.f;
+      pD[r] = ok ? p.dhs[o] : 0.f;
+    }
+    auto ld_do = [&](auto tag) {
+      using T = decltype(tag);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int i = tid + r * NT, t = i >> 5, v = i & 31;
+        const bool ok = t < cp.Cc && v0 + v < V;
+        pO[r] = ok ? p.scale * ld_elem<T>(p.grad_o, tok(t) * V + v0 + v) : 0.f;
+        pU[r] = ok ? p.U[tok(t) * V + v0 + v] : 0.f;
+      }
+    };
+    if (p.in_dtype == kBF16) ld_do(__nv_bfloat16{});
+    else if (p.in_dtype == kF16) ld_do(__half{});
+    else ld_do(0.f);
+  };
+
+  // ---- stage 0: zero accumulators, dX_u = dU (all loads of a thread issued together), beta
+  {
+    float r[CH * VP / NT];
+#pragma unroll
+    for (int k = 0; k < CH * VP / NT; ++k) {
+      const int i = tid + k * NT, t = i / VP, c = i % VP;
+      r[k] = (t < cp.Cc && c < V) ? p.dU[tok(t) * V + c] : 0.f;
+    }
+    for (int i = tid; i < CH * KP; i += NT) {
+      R0[i] = 0.f;
+      R1[i] = 0.f;
+      R2[(i / KP) * W + VP + i % KP] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < CH * VP / NT; ++k) {
+      const int i = tid + k * NT;
+      R2[(i / VP) * W + i % VP] = r[k];
+    }
+  }
+  for (int i = tid; i < CH * CH; i += NT) R3[i] = 0.f;
+  if (tid < KP) dgl[tid] = 0.f;
+  if (tid < CH) beta[tid] = tid < cp.Cc ? p.beta[tok(tid)] : 0.f;
+  ld_slice(0);  // (after stage 0: issued before it, the 48 values pushed the kernel into spills)
+
+  // ---- stage A: contractions over V, 32 columns at a time; the next slice's loads fly during the contractions
+  {
+    float* S0t = R5;             // [KP][TS]
+    float* dS1t = S0t + KP * TS; // [KP][TS]
+    float* dot = dS1t + KP * TS; // [CH][TS]
+    float* Ut = dot + CH * TS;   // [CH][TS]
+    // (k-loop unrolled 2, not 4: with the 48 prefetched values live, 4 spilled a few registers in the KDA build)
+    for (int v0 = 0; v0 < V; v0 += 32) {
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int i = tid + r * NT, c = i >> 5, v = i & 31;
+        S0t[c * TS + v] = pS[r];
+        dS1t[c * TS + v] = pD[r];
+      }
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int i = tid + r * NT, t = i >> 5, v = i & 31;
+        dot[t * TS + v] = pO[r];
+        Ut[t * TS + v] = pU[r];
+      }
+      __syncthreads();
+      if (v0 + 32 < V) ld_slice(v0 + 32);
+      bgemm<true, 2>(CH, KP, 32, 1.f, dot, TS, 1, S0t, 1, TS, R0, KP);              // dQG += dO S0^T
+      bgemm<true, 2>(CH, KP, 32, 1.f, Ut, TS, 1, dS1t, 1, TS, R1, KP);              // dKend += U dS1^T
+      bgemm<true, 2>(CH, KP, 32, -1.f, R2 + v0, W, 1, S0t, 1, TS, R2 + VP, W);      // dw -= dU S0^T
+      bgemm<true, 2>(CH, CH, 32, 1.f, dot, TS, 1, Ut, 1, TS, R3, CH);               // dA_qk += dO U^T
+      if (tid < KP) {
+        float s = 0.f;
+#pragma unroll 8
+        for (int v = 0; v < 32; ++v) s = fmaf(dS1t[tid * TS + v], S0t[tid * TS + v], s);
+        dgl[tid] += s;
+      }
+    }
+  }
+  {
+    float l[CH * CH / NT];
+#pragma unroll
+    for (int k = 0; k < CH * CH / NT; ++k) l[k] = p.akk[abase + tid + k * NT];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < CH * CH / NT; ++k) {
+      const int i = tid + k * NT, t = i / CH, j = i % CH;
+      if (j > t) R3[i] = 0.f;
+      R4[i] = beta[t] * l[k];  // L
+    }
+  }
+  // dL's X tiles ([u | w] of the chunk, 32 columns at a time): the first one's loads fly during the back substitution
+  float px[CH * 32 / NT];
+  auto ld_x = [&](int x0) {
+#pragma unroll
+    for (int r = 0; r < CH * 32 / NT; ++r) {
+      const int i = tid + r * NT, t = i >> 5, c = x0 + (i & 31);
+      float x = 0.f;
+      if (t < cp.Cc) {
+        if (c < VP) {
+          if (c < V) x = p.u[tok(t) * V + c];
+        } else if (c - VP < K) {
+          x = p.wc != nullptr ? p.wc[(static_cast<size_t>(cid) * HV + hv) * CH * KP + t * KP + c - VP]
+                              : p.w[tok(t) * K + c - VP];
+        }
+      }
+      px[r] = x;
+    }
+  };
+  ld_x(0);
+  __syncthreads();
+  // ---- stage B: dR = (I + L)^{-T} dX (thread per column, the column in registers), dL = -dR X^T
+  {
+    float x[CH];
+#pragma unroll
+    for (int t = 0; t < CH; ++t) x[t] = R2[t * W + tid];
+    back_subst_col(x, R4);
+#pragma unroll
+    for (int t = 0; t < CH; ++t) R2[t * W + tid] = x[t];
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) R4[i] = 0.f;
+  {
+    float* Xt = R5;  // [CH][TS]
+    for (int x0 = 0; x0 < W; x0 += 32) {
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < CH * 32 / NT; ++r) {
+        const int i = tid + r * NT;
+        Xt[(i >> 5) * TS + (i & 31)] = px[r];
+      }
+      __syncthreads();
+      if (x0 + 32 < W) ld_x(x0 + 32);
+      bgemm<true>(CH, CH, 32, -1.f, R2 + x0, W, 1, Xt, 1, TS, R4, CH);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * CH; i += NT) {
+    const int t = i / CH, j = i % CH;
+    if (j >= t) R4[i] = 0.f;
+  }
+  // q, k into R5 (free since the X tiles are done)
+  float* qs = R5;
+  float* ks = R5 + CH * KP;
+  {
+    auto ld_qk = [&](auto tag) {
+      using T = decltype(tag);
+      const int h = hv / (HV / p.H);
+#pragma unroll 16
+      for (int i = tid; i < CH * KP; i += NT) {
+        const int t = i / KP, c = i % KP;
+        const bool ok = t < cp.Cc && c < K;
+        const int64_t o = ((cp.row0 + t) * p.H + h) * K + c;
+        qs[i] = ok ? ld_elem<T>(p.q, o) : 0.f;
+        ks[i] = ok ? ld_elem<T>(p.k, o) : 0.f;
+      }
+    };
+    if (p.in_dtype == kBF16) ld_qk(__nv_bfloat16{});
+    else if (p.in_dtype == kF16) ld_qk(__half{});
+    else ld_qk(0.f);
+  }
+  // dv = beta dR_u; dbeta = dR_u . v + dL . A_kk (warp per row; dR_u is overwritten by dg in pass 2)
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT / 32) {
+      float s = 0.f;
+      if (t < cp.Cc) {
+        for (int c = lane; c < V; c += 32) {
+          const float dr = R2[t * W + c];
+          s = fmaf(dr, load_in(p.v, tok(t) * V + c, p.in_dtype), s);
+          store_in(p.dv, tok(t) * V + c, p.in_dtype, beta[t] * dr);
+        }
+        for (int j = lane; j < t; j += 32) s = fmaf(R4[t * CH + j], p.akk[abase + t * CH + j], s);
+      }
+      s = warp_sum(s);
+      if (lane == 0) dbeta[t] = s;
+    }
+  }
+  __syncthreads();
+  // ---- stage C1 pass 1 (thread per channel, ascending): Gam; dq = dQG Gam; dRg = dR_w Gam (in place); a = e^g
+  // (all 64 gates of the channel loaded together) into R2's u half, now free, for pass 2
+  if (tid < KP) {
+    const int c = tid;
+    float a[CH];
+#pragma unroll
+    for (int t = 0; t < CH; ++t) a[t] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    float gm = 1.f;
+#pragma unroll
+    for (int t = 0; t < CH; ++t) {
+      gm *= a[t];
+      R0[t * KP + c] *= gm;
+      R2[t * W + VP + c] *= gm;
+      R2[t * W + c] = a[t];
+    }
+    gl[c] = gm;
+  }
+  __syncthreads();
+  // dbeta += dRg . k (warp per row); dA_kk = Diag(beta) dL
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT / 32) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = lane; c < KP; c += 32) s = fmaf(R2[t * W + VP + c], ks[t * KP + c], s);
+      s = warp_sum(s);
+      if (lane == 0) dbeta[t] += s;
+    }
+  }
+  for (int i = tid; i < CH * CH; i += NT) R4[i] *= beta[i / CH];  // dA_kk
+  __syncthreads();
+  // ---- stage C1 passes 2, 3 (thread per channel): dg's direct terms into R2's u half, dk = dKend Eend + beta dRg;
+  // a is read from R2's u half before the same thread overwrites it with dg
+  float* dg = R2;  // stride W
+  float* as = R2 + VP;  // stride W
+  if (tid < KP) {
+    const int c = tid;
+    float e = 1.f, run = 0.f;
+#pragma unroll 16
+    for (int t = CH - 1; t >= 0; --t) {
+      const float qt = qs[t * KP + c], kt = ks[t * KP + c], at = R2[t * W + c];
+      run += qt * R0[t * KP + c] + kt * beta[t] * R2[t * W + VP + c];  // (Q Gam) dQG + (K Gam) beta dR_w
+      R2[t * W + c] = run;
+      R1[t * KP + c] *= e;                                              // Kend-part of dk
+      e *= at;
+    }
+    float pre = dgl[c] * gl[c];
+#pragma unroll 16
+    for (int t = 0; t < CH; ++t) {
+      const float kt = ks[t * KP + c];
+      R2[t * W + c] += pre;
+      pre = fmaf(kt, R1[t * KP + c], pre);
+      R1[t * KP + c] = fmaf(beta[t], R2[t * W + VP + c], R1[t * KP + c]);
+    }
+  }
+  __syncthreads();
+  // a into R2's w half for C2 (a second read of the gates, all loads of a thread issued together)
+  {
+    float r[CH * KP / NT];
+#pragma unroll
+    for (int k = 0; k < CH * KP / NT; ++k) {
+      const int i = tid + k * NT, t = i / KP, c = i % KP;
+      r[k] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    }
+#pragma unroll
+    for (int k = 0; k < CH * KP / NT; ++k) {
+      const int i = tid + k * NT;
+      as[(i / KP) * W + i % KP] = r[k];
+    }
+  }
+  __syncthreads();
+  // ---- stage C2: the intra-chunk A_qk, A_kk terms in sub-blocks (see the comment above c2_intra): warps 0-3
+  // take the rows and sub-blocks 0, 1, warps 4-7 the columns and sub-blocks 2, 3 (shared atomics where both add)
+  {
+    const C2Smem m{qs, ks, as, R3, R4, R0, R1, dg};
+    const int c = tid % KP;
+    if (tid < KP) {
+      c2_rows(m, c);
+      c2_intra(m, 0, c);
+      c2_intra(m, 1, c);
+    } else {
+      c2_cols(m, c);
+      c2_intra(m, 2, c);
+      c2_intra(m, 3, c);
     }
   }
   __syncthreads();

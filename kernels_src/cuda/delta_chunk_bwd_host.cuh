@@ -84,7 +84,9 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   static bool attrs_set = false;  // one set per template instantiation (per family)
   if (!attrs_set) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kPrepSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kPrepSmem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_fwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kStateFwdSmem)));
@@ -96,6 +98,8 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                                         static_cast<int>(cb::kStateBwd2Smem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kGradSmem)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(cb::kGradSmem)));
     attrs_set = true;
   }
   cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
@@ -103,7 +107,11 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   const int nsl = (s.V + cb::VS - 1) / cb::VS;
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    // prep: forward substitution in registers (default) or v1's (KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare)
+    if (env_int("KDA_CUDA_CHUNK_BWD_PREP", 2) == 1)
+      cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    else
+      cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (s.N > 0 && s.HV > 0) {
@@ -122,7 +130,11 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   }
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    // grad kernel: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare; read on every call)
+    if (env_int("KDA_CUDA_CHUNK_BWD_GRAD", 2) == 1)
+      cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    else
+      cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dq, dk, dg, dbeta, dv, dh0};
