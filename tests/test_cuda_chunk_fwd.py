@@ -9,10 +9,10 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
 with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
-(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is split by default
-(sequential delta_chunk_state_kernel + parallel delta_chunk_out_kernel, so every test above runs it);
-KDA_CUDA_CHUNK_SCAN=1 selects the single scan kernel: test_chunk_fwd_old_scan (float64 reference) and
-test_chunk_scan_split_vs_old (both in one process) cover it, test_chunk_fwd_scan_bv32 the 32-column state kernel.
+(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is the single kernel
+delta_chunk_scan_kernel by default (every test above runs it); KDA_CUDA_CHUNK_SCAN=2 splits it (sequential
+delta_chunk_state_kernel + parallel delta_chunk_out_kernel): test_chunk_fwd_split_scan (float64 reference),
+test_chunk_scan_split_vs_old (both in one process) and test_chunk_fwd_scan_bv32 (32-column state kernel) cover it.
 """
 import importlib.util
 import subprocess
@@ -219,11 +219,11 @@ def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T200", "extreme_gates", "varlen", "odd_kv", "wide_v", "gva_4x"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_old_scan(family, case, dtype, monkeypatch):
-    """The single scan kernel (KDA_CUDA_CHUNK_SCAN=1) against the float64 reference."""
+def test_chunk_fwd_split_scan(family, case, dtype, monkeypatch):
+    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the float64 reference."""
     if dtype == torch.float16 and case not in ("extreme_gates", "varlen"):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2")
     run_case(family, case, dtype, h0_on=True)
 
 
@@ -233,6 +233,7 @@ def test_chunk_fwd_old_scan(family, case, dtype, monkeypatch):
 def test_chunk_fwd_scan_bv32(family, case, ws, monkeypatch):
     """The split scan's state kernel with 32-column blocks (KDA_CUDA_CHUNK_BV=32; the tests' shapes pick 16; fp32
     inputs always take 16), bf16 inputs, both workspaces."""
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2")
     monkeypatch.setenv("KDA_CUDA_CHUNK_BV", "32")
     monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
     run_case(family, case, torch.bfloat16, h0_on=True)
@@ -244,7 +245,7 @@ def test_chunk_fwd_scan_bv32(family, case, ws, monkeypatch):
                                   "odd_v", "varlen", "varlen_extreme"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
-    """The split scan (default) against the single scan kernel (KDA_CUDA_CHUNK_SCAN=1) in one process, same prep:
+    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the single scan kernel (1, default) in one process, same prep:
     the recurrence is the same math in another summation order; o differs by the bf16 rounding of the stored
     chunk-start states (bf16/fp16 inputs with the bf16 workspace) and by o's own rounding."""
     if dtype == torch.float32 and ws == "ws_fp32":

@@ -12,10 +12,10 @@ Triton 3.6) are recorded as they are raised.
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench, do_bench_cudagraph
 
 from bench_chunk_fwd import mk as mk_inputs
 from cuda_variant import load_cuda_variant
@@ -43,6 +43,7 @@ def mk(B, T, H, HV, K, V, kda):
 
 
 def timed(fn, graphs=True):
+    from triton.testing import do_bench, do_bench_cudagraph  # here: --from-log needs no triton
     fn()
     torch.cuda.synchronize()
     eager = do_bench(fn, warmup=10, rep=100, return_mode="median")
@@ -66,7 +67,19 @@ def peak_above(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def from_log(path, gpu):
+    """Rebuild the JSON and PNG from a log of this script (one JSON line per measurement): a run cut short by a
+    device call's time limit still gets its JSON and plot."""
+    res = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
+    out = {"meta": {"gpu": gpu, "from_log": Path(path).name}, "results": res}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "cuda_chunk_bwd.json").write_text(json.dumps(out, indent=1))
+    plot(out)
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--from-log":  # --from-log LOG GPU_NAME
+        return from_log(sys.argv[2], sys.argv[3])
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     import triton

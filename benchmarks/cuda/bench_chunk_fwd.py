@@ -8,7 +8,7 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
     BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # KDA only, the generic (0) and the KDA-specific (1) prep kernel (KDA_CUDA_KDA_PREP), no fla
     BENCH_CHUNK_SCAN=1,2 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # the single scan kernel (1) and the split scan (2, default) in one process (KDA_CUDA_CHUNK_SCAN)
+        # the single scan kernel (1, default) and the split scan (2) in one process (KDA_CUDA_CHUNK_SCAN)
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -18,12 +18,12 @@ is printed as a sanity check. ratio = fla time / ours (above 1: ours faster).
 """
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench, do_bench_cudagraph
 
 from cuda_variant import load_cuda_variant
 
@@ -55,6 +55,7 @@ def mk(B, T, H, HV, K, V, kda):
 
 
 def timed(fn):
+    from triton.testing import do_bench, do_bench_cudagraph  # here: --from-log needs no triton
     fn()
     torch.cuda.synchronize()
     eager = do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -88,7 +89,19 @@ def kernel_breakdown(fn, iters=10):
     return out
 
 
+def from_log(path):
+    """Rebuild the JSON and PNG from a log of this script (one JSON line per measurement): a run cut short by a
+    device call's time limit still gets its table and plot."""
+    lines = Path(path).read_text().splitlines()
+    res = [json.loads(ln) for ln in lines if ln.startswith("{")]
+    head = next((ln for ln in lines if ln.startswith("GPU: ")), "GPU: ?; torch ?; fla None")
+    gpu, fla_ver = head[5:].split(";")[0], head.rsplit("fla ", 1)[-1]
+    report(gpu, None if fla_ver == "None" else fla_ver, res)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--from-log":
+        return from_log(sys.argv[2])
     ours = load_ours()
     try:
         if os.environ.get("BENCH_NO_FLA"):
@@ -171,16 +184,22 @@ def main():
             rec(**row)
             del q, k, v, g, beta
             torch.cuda.empty_cache()
+    report(gpu, fla_ver, RES)
+
+
+
+def report(gpu, fla_ver, res):
+    """Table on stdout, JSON and PNG under OUT."""
     print(f"\nGPU: {gpu}")
     print(f"{'shape':28s} {'fam':4s} {'fla eager':>10s} {'fla graph':>10s} {'ours eager':>10s} {'ours graph':>10s}"
           f" {'x fla (graph)':>13s} {'x fla (eager)':>13s}")
-    for r in RES:
+    for r in res:
         print(f"{r['shape']:28s} {r['family'] + r.get('gdn_prep', r.get('kda_prep', '')):4s} {r.get('fla_eager_ms', float('nan')):10.4f} "
               f"{r.get('fla_graph_ms') or float('nan'):10.4f} {r['ours_eager_ms']:10.4f} "
               f"{r['ours_graph_ms'] or float('nan'):10.4f} {r.get('ratio_graph', float('nan')):13.3f} "
               f"{r.get('ratio_eager', float('nan')):13.3f}")
     OUT.mkdir(parents=True, exist_ok=True)
-    json.dump({"gpu": gpu, "torch": torch.__version__, "fla": fla_ver, "results": RES},
+    json.dump({"gpu": gpu, "torch": torch.__version__, "fla": fla_ver, "results": res},
               open(OUT / "cuda_chunk_fwd.json", "w"), indent=1)
     try:
         import matplotlib
@@ -188,7 +207,7 @@ def main():
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, fam in zip(axes, ("kda", "gdn")):
-            rows = [r for r in RES if r["family"] == fam]
+            rows = [r for r in res if r["family"] == fam]
             xs = range(len(rows))
             w = 0.2
             for i, (key, lab) in enumerate((("fla_eager_ms", "fla eager"), ("fla_graph_ms", "fla graphs"),
@@ -203,7 +222,6 @@ def main():
         fig.savefig(OUT / "cuda_chunk_fwd.png", dpi=110)
     except Exception as e:  # noqa: BLE001
         print("plot failed:", repr(e)[:200])
-
 
 if __name__ == "__main__":
     main()

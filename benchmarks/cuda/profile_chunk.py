@@ -54,8 +54,8 @@ def main():
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
-    ap.add_argument("--scan-single", action="store_true",
-                    help="also time the forward with the single scan kernel (KDA_CUDA_CHUNK_SCAN=1) as fwd_scan_single")
+    ap.add_argument("--scan-split", action="store_true",
+                    help="also time the forward with the split scan (KDA_CUDA_CHUNK_SCAN=2) as fwd_scan_split")
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
@@ -75,13 +75,13 @@ def main():
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
-        for flag, phase, name, knobs in ((args.scan_single, "fwd", "fwd_scan_single", ("KDA_CUDA_CHUNK_SCAN",)),
-                                         (args.bwd_state_v1, "bwd", "bwd_state_v1", ("KDA_CUDA_CHUNK_BWD_STATE",)),
+        for flag, phase, name, knobs in ((args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
+                                         (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                                          (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
-                                          ("KDA_CUDA_CHUNK_BWD_GRAD", "KDA_CUDA_CHUNK_BWD_PREP"))):
+                                          {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"})):
             if flag and phase in phases:
                 saved = {kn: os.environ.get(kn) for kn in knobs}
-                os.environ.update({kn: "1" for kn in knobs})
+                os.environ.update(knobs)
                 res[family][name] = kernel_times(fns[phase])
                 for kn, val in saved.items():
                     if val is None:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call for the split scan of the chunked forward (delta_chunk_state_kernel + delta_chunk_out_kernel in
-# kernels_src/cuda/delta_chunk_fwd.cuh; KDA_CUDA_CHUNK_SCAN=1 runs the single scan kernel): build (sm_90),
+# kernels_src/cuda/delta_chunk_fwd.cuh; KDA_CUDA_CHUNK_SCAN=2 selects it; the default is the single scan kernel since the session-4 measurement): build (sm_90),
 # tests/test_cuda_chunk_fwd.py (float64-reference cases on the split scan, old-scan cases, split-vs-single in one
 # process, 32-column state kernel, CUDA graphs), per-kernel times of both forwards (split and single scan in one
 # process; 16- and 32-column state kernel), then bench_chunk_fwd.py for both scans in one process without fla.
@@ -16,14 +16,14 @@ timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -n 14 tests/test_cuda_chunk_fw
   --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 tail -15 "$OUT/tests.log"
 # per-kernel times (torch profiler), B1 T8192 H16 HV32 K=V=128 bf16: split (fwd) and single (fwd_scan_single)
-timeout 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd --scan-single \
+timeout 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd --scan-split \
   > "$OUT/kernel_times.json" 2> "$OUT/kernel_times.err"
 cat "$OUT/kernel_times.json"
 KDA_CUDA_CHUNK_BV=32 timeout 40 python3 benchmarks/cuda/profile_chunk.py --phases fwd --families gdn \
   > "$OUT/kernel_times_bv32.json" 2>&1
 cat "$OUT/kernel_times_bv32.json"
 timeout 40 python3 benchmarks/cuda/profile_chunk.py --phases fwd --families gdn --shape 4,4096,32,32,128,128 \
-  --scan-single > "$OUT/kernel_times_b4.json" 2>&1
+  --scan-split > "$OUT/kernel_times_b4.json" 2>&1
 # whole forward, eager and graphs, both scans in one process, no fla (its Triton compile costs minutes)
 BENCH_CHUNK_SCAN=1,2 BENCH_NO_FLA=1 BENCH_SHAPES=B1_T8192,B4,varlen,B1_T32768 BENCH_BUDGET_S=${BENCH_BUDGET_S:-70} \
   timeout ${BENCH_TIMEOUT:-90} python3 benchmarks/cuda/bench_chunk_fwd.py > "$OUT/bench.log" 2>&1

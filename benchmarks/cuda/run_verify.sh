@@ -16,11 +16,7 @@ timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 14 tests/test_cuda_backend.
   tests/test_cuda_chunk_bwd.py -p no:cacheprovider --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -5
 echo "tests done at ${SECONDS}s"
-if grep -q "^FAILED tests/test_cuda_chunk_fwd.py" "$OUT/tests.log"; then
-  echo "chunked-forward tests failed: benchmarks run the single-kernel scan (KDA_CUDA_CHUNK_SCAN=1)"
-  export KDA_CUDA_CHUNK_SCAN=1
-fi
-timeout 60 python3 benchmarks/cuda/profile_chunk.py --scan-single > "$OUT/kernel_times.json" 2> "$OUT/kernel_times.err"
+timeout 60 python3 benchmarks/cuda/profile_chunk.py --scan-split > "$OUT/kernel_times.json" 2> "$OUT/kernel_times.err"
 echo "profile done at ${SECONDS}s"
 [ "$(left)" -gt 60 ] && timeout $(( $(left) > ${FWD_TIMEOUT:-150} ? ${FWD_TIMEOUT:-150} : $(left) - 30 )) \
   python3 benchmarks/cuda/bench_chunk_fwd.py > "$OUT/bench_fwd.log" 2>&1
