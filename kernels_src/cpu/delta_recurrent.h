@@ -6,6 +6,11 @@
 //   pass 2 (reads+writes S): S = Diag(a) S + k db^T,  o = scale S^T q   (same sweep)
 // The columns of S evolve independently, so the state is processed in blocks of VB = 32 columns that stay
 // in L1 for a window of tokens; the per-token vectors (scale q, k, a, a k) are prepared once per window.
+// Tried in session 4 and not kept: one sweep per token instead of two, holding S = Diag(D) Ŝ with a running row
+// scale D so the decay costs nothing per element (3 vector ops and one load + store per element instead of 4 and
+// two loads; rows folded when D < 2^-40). Exact, but no faster: both forms run at ~8-9 cycles per 32-column state
+// row on this project's AVX2 EPYC, so the two-pass step is not FMA-bound; software prefetch of the strided
+// per-head q/k/v rows made no measurable difference either.
 //
 // Backward (derived by hand; P = S_{t-1}, S = S_t, dS = dL/dS_t carried backwards, Tt = dS + scale q do^T):
 //   dq = scale S do,  d(db) = Tt^T k,  dk = Tt db + a (P dpred),  da = rowsum(Tt * P) + k (P dpred),
