@@ -82,26 +82,14 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   p.dbeta = dbeta.data_ptr<float>(); p.dv = dv.data_ptr(); p.dh0 = dh0.data_ptr<float>();
 
   auto st = c10::cuda::getCurrentCUDAStream().stream();
-  static bool attrs_set = false;  // one set per template instantiation (per family)
-  if (!attrs_set) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kPrepSmem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::prep_kernel<PC, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kPrepSmem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_fwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kStateFwdSmem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_bwd_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kStateBwdSmem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_fwd2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kStateFwd2Smem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::state_bwd2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kStateBwd2Smem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kGradSmem)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad2_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(cb::kGradSmem)));
-    attrs_set = true;
-  }
+  allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
+  allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
+  allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
+  allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
+  allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
+  allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
+  allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
+  allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
   cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nsl = (s.V + cb::VS - 1) / cb::VS;

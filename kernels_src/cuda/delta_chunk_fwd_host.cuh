@@ -22,11 +22,7 @@ template <bool PC, int KP, bool PRECISE>
 void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = PrepSmem<KP>::bytes;
   auto kern = delta_chunk_prep_kernel<PC, KP, PRECISE>;
-  static bool configured = false;  // once per instantiation (outside any graph capture in practice)
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured = true;
-  }
+  allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kPrepThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -36,11 +32,7 @@ template <int KP, typename T16>
 void launch_gdn_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = GdnPrepSmem<KP>::bytes;
   auto kern = gdn_chunk_prep_kernel<KP, T16>;
-  static bool configured = false;  // once per instantiation
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured = true;
-  }
+  allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -56,11 +48,7 @@ template <int KP, typename T16>
 void launch_kda_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = KdaPrepSmem<KP>::bytes;
   auto kern = kda_chunk_prep_kernel<KP, T16>;
-  static bool configured = false;  // once per instantiation
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured = true;
-  }
+  allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -101,11 +89,7 @@ template <int KP, bool PRECISE, bool HALF>
 void launch_chunk_out_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = OutSmem<KP>::bytes;
   auto kern = delta_chunk_out_kernel<KP, PRECISE, HALF>;
-  static bool configured = false;  // once per instantiation
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    configured = true;
-  }
+  allow_dynamic_smem(kern, smem);
   const dim3 grid(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV),
                   static_cast<unsigned>((p.V + kOutBV - 1) / kOutBV));
   kern<<<grid, kScanThreads, smem, st>>>(p);

@@ -37,13 +37,7 @@ template <bool PC, bool VF, typename S, int NBUF>
 void launch_dec_bulk_one(const FwdParams& p, cudaStream_t st) {
   constexpr int smem = BulkSmem<S, NBUF>::kBytes;
   auto kern = delta_decode_bulk_kernel<PC, VF, S, NBUF>;
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  static bool attr_set[64] = {};
-  if (dev >= 64 || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (dev < 64) attr_set[dev] = true;
-  }
+  allow_dynamic_smem(kern, smem);
   const int64_t items = static_cast<int64_t>(p.N) * p.HV;
   if (items == 0) return;
   const int64_t grid = items < cached_num_sms() ? items : cached_num_sms();

@@ -3,9 +3,12 @@
 #pragma once
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -32,6 +35,23 @@ inline int in_dtype_of(const at::Tensor& x, const char* op) {
 inline int env_int(const char* name, int dflt) {
   const char* s = std::getenv(name);
   return (s && *s) ? std::atoi(s) : dflt;
+}
+
+// Lets `kern` launch with `bytes` of dynamic shared memory on the current device. The attribute belongs to the
+// device's context, so it is set once per (kernel, device), and again only when a later launch needs more (the
+// recurrent backward's size depends on its block shape): a process that runs the ops on two GPUs gets it on both,
+// and repeated launches pay a map lookup instead of a driver call.
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel* kern, size_t bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = allowed[{reinterpret_cast<const void*>(kern), dev}];
+  if (have >= bytes) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  have = bytes;
 }
 
 inline int num_sms() {
@@ -250,8 +270,7 @@ void launch_bwd_one(BwdParams& p, int warps_per_block, cudaStream_t st) {
   const size_t smem = static_cast<size_t>(warps_per_block) * NK * CW * 32 * sizeof(float) +
                       static_cast<size_t>(warps_per_block) * kBwdSegment * (3 * KMAX + 1) * sizeof(float);
   auto kern = delta_recurrent_bwd_kernel<PC, CW, KMAX>;
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                             static_cast<int>(smem)));
+  allow_dynamic_smem(kern, smem);
   const int64_t blocks = static_cast<int64_t>(p.N) * p.HV * p.split;
   if (blocks == 0) return;
   kern<<<static_cast<unsigned>(blocks), 32 * warps_per_block, smem, st>>>(p);
