@@ -95,7 +95,8 @@ CASES = {
 }
 
 
-def run_case(family, case, dtype, h0_on):
+def case_inputs(family, case, dtype, h0_on=True):
+    """CASES[case] on the GPU: (q, k, v, g, beta), the initial state (None unless h0_on) and cu_seqlens."""
     spec = dict(CASES[case])
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
@@ -103,7 +104,24 @@ def run_case(family, case, dtype, h0_on):
     N = q.shape[0] if cu is None else cu.numel() - 1
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV) if h0_on else None
-    scale = K ** -0.5
+    return (q, k, v, g, beta), h0, cu
+
+
+def fwd_per_knob(family, case, dtype, ws, knob, values, monkeypatch):
+    """(o, final state) of the chunked forward for each value of the host knob `knob` (read at every call), on the
+    same inputs, initial state and workspace choice `ws`: only the kernel the knob selects differs."""
+    (q, k, v, g, beta), h0, cu = case_inputs(family, case, dtype)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    out = []
+    for value in values:
+        monkeypatch.setenv(knob, value)
+        out.append(getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, q.shape[3] ** -0.5, h0, cu))
+    return out
+
+
+def run_case(family, case, dtype, h0_on):
+    (q, k, v, g, beta), h0, cu = case_inputs(family, case, dtype, h0_on)
+    scale = q.shape[3] ** -0.5
     o, s = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, scale, h0, cu)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=scale,
                             initial_state=None if h0 is None else h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
@@ -171,19 +189,7 @@ def test_gdn_prep_new_vs_old(case, dtype, ws, monkeypatch):
     """The GDN prep kernel (default for bf16/fp16) against the generic prep kernel (KDA_CUDA_GDN_PREP=0): the
     scan is the same, so o and the final state agree up to rounding (fp32 workspace: the final state to 1e-4;
     o is rounded to the input dtype in both)."""
-    spec = dict(CASES[case])
-    cu_list = spec.get("cu")
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make("gdn", dtype=dtype, **spec)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
-    out = {}
-    for sel in ("0", "1"):
-        monkeypatch.setenv("KDA_CUDA_GDN_PREP", sel)
-        out[sel] = OPS.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, h0, cu)
-    (o0, s0), (o1, s1) = out["0"], out["1"]
+    (o0, s0), (o1, s1) = fwd_per_knob("gdn", case, dtype, ws, "KDA_CUDA_GDN_PREP", ("0", "1"), monkeypatch)
     assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-4)
 
@@ -198,19 +204,7 @@ def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
     scan is the same, so o and the final state agree up to rounding: o is rounded to the input dtype in both, and
     the tf32 operands of the cross-sub-chunk products are formed from differently rounded (equally exact) gate
     factors, so unlike the GDN prep (bf16-exact operands) the fp32-workspace state is not bit-close: 1e-3."""
-    spec = dict(CASES[case])
-    cu_list = spec.get("cu")
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make("kda", dtype=dtype, **spec)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
-    out = {}
-    for sel in ("0", "1"):
-        monkeypatch.setenv("KDA_CUDA_KDA_PREP", sel)
-        out[sel] = OPS.kda_chunk_fwd(q, k, v, g, beta, K ** -0.5, h0, cu)
-    (o0, s0), (o1, s1) = out["0"], out["1"]
+    (o0, s0), (o1, s1) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("0", "1"), monkeypatch)
     assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all()
     assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
@@ -252,19 +246,7 @@ def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
         pytest.skip("fp32 inputs always use the fp32 workspace (same as ws_bf16 for them)")
     if dtype == torch.float16 and case not in ("T2048", "extreme_gates", "odd_v", "varlen"):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    spec = dict(CASES[case])
-    cu_list = spec.get("cu")
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make(family, dtype=dtype, **spec)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
-    out = {}
-    for sel in ("1", "2"):
-        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
-        out[sel] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
-    (o1, s1), (o2, s2) = out["1"], out["2"]
+    (o1, s1), (o2, s2) = fwd_per_knob(family, case, dtype, ws, "KDA_CUDA_CHUNK_SCAN", ("1", "2"), monkeypatch)
     assert torch.isfinite(o2.float()).all() and torch.isfinite(s2).all()
     if dtype == torch.float32:
         assert_close("o (split vs single scan)", o1.cpu(), o2.cpu(), 1e-5)
