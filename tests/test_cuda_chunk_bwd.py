@@ -104,16 +104,14 @@ def test_chunk_bwd_matches_recurrent_bwd(family):
         assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
 
 
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-@pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "T200_gates_1e4"])
-def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
-    # the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1, kept to compare) and the default v2 compute the same
-    # recurrences from the same decay products; only the fp32 summation order differs. T200_gates_1e4: 30 % of
-    # the gates at -1e4 (e^g = 0 exactly): everything finite
+def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
+    """The chunked backward's gradients with the default kernels and with `knob`=1 (an older kernel, read by the
+    host at every call), same inputs and cotangents. Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
+    T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly)."""
     spec = dict(CASES[case]) if case in CASES else dict(B=1, T=200, H=1, HV=2)
     cu_list = spec.pop("cu", None)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make_inputs(family, dtype=torch.float32, seed=7, extreme=True, cu=cu_list, **spec)
+    q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=seed, extreme=True, cu=cu_list, **spec)
     if case == "T200_gates_1e4":
         g = torch.where(g == -20.0, torch.full_like(g, -1e4), g)
     N = q.shape[0] if cu is None else cu.numel() - 1
@@ -123,8 +121,17 @@ def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
     do = torch.randn_like(v)
     op = getattr(OPS, f"{family}_chunk_bwd")
     a = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_STATE", "1")
-    b = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
+    monkeypatch.setenv(knob, "1")
+    return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "T200_gates_1e4"])
+def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
+    # the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1, kept to compare) and the default v2 compute the same
+    # recurrences from the same decay products; only the fp32 summation order differs. T200_gates_1e4: 30 % of
+    # the gates at -1e4 (e^g = 0 exactly): everything finite
+    a, b = bwd_default_and_knob(family, case, torch.float32, 7, "KDA_CUDA_CHUNK_BWD_STATE", monkeypatch)
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
         assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
@@ -139,22 +146,8 @@ def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # of the intra-chunk decays, register back substitution), and likewise v1 prep (KDA_CUDA_CHUNK_BWD_PREP=1) and
     # the default (forward substitution in registers), compute the same gradients; only the fp32 summation order
     # differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly): everything finite
-    spec = dict(CASES[case]) if case in CASES else dict(B=1, T=200, H=1, HV=2)
     dtype = torch.bfloat16 if case == "T200_bf16" else torch.float32
-    cu_list = spec.pop("cu", None)
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=11, extreme=True, cu=cu_list, **spec)
-    if case == "T200_gates_1e4":
-        g = torch.where(g == -20.0, torch.full_like(g, -1e4), g)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = torch.randn(N, HV, K, V, device=DEV) * 0.5
-    dht = torch.randn(N, HV, K, V, device=DEV)
-    do = torch.randn_like(v)
-    op = getattr(OPS, f"{family}_chunk_bwd")
-    a = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
-    monkeypatch.setenv(knob, "1")
-    b = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
+    a, b = bwd_default_and_knob(family, case, dtype, 11, knob, monkeypatch)
     tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
