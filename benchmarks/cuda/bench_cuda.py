@@ -72,8 +72,9 @@ DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG"
 DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE")
 
 
-def set_env(env):
-    for k in DEC_ENV:
+def set_env(env, knobs=DEC_ENV):
+    """Clears the decode knobs `knobs`, then sets `env` (the host code reads them at every call)."""
+    for k in knobs:
         os.environ.pop(k, None)
     os.environ.update(env)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from bench_cuda import mk
+from bench_cuda import DEC_ENV, mk, set_env as set_dec_env
 from cuda_variant import load_cuda_variant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,19 +25,13 @@ OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 DEV = "cuda"
 RES = []
 META = {}
-ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_V2", "KDA_CUDA_DEC_V2_HINT")
+ENV = DEC_ENV + ("KDA_CUDA_DEC_V2", "KDA_CUDA_DEC_V2_HINT")
 
 
 def rec(prefix, **kw):
     RES.append(kw)
     print(json.dumps(kw), flush=True)
     (OUT / f"{prefix}.json").write_text(json.dumps({"meta": META, "results": RES}, indent=1))
-
-
-def set_env(env):
-    for k in ENV:
-        os.environ.pop(k, None)
-    os.environ.update(env)
 
 
 def variants(B):
@@ -115,7 +109,7 @@ def main():
                 core = getattr(ops, f"{fam}_recurrent_fwd")
                 serve = getattr(ops, f"{fam}_recurrent_serve")
                 for vname, env in variants(B):
-                    set_env(env)
+                    set_dec_env(env, ENV)
                     fns = [("core_fwd", lambda: core(q, k, v, g, beta32, scale, h0, None), f32)]
                     for pname, (pool, vf, nb) in pools.items():
                         fns.append((f"serve_{pname}",
@@ -133,7 +127,7 @@ def main():
                             continue
                         rec(P, name=f"{fam}_decode", impl=f"{what}:{vname}", B=B, graph_ms=round(gr, 5),
                             graph_TBps=round(nb / gr / 1e9, 3), eager_ms=None if eg is None else round(eg, 5))
-                    set_env({})
+                    set_dec_env({}, ENV)
             del h0, pools
             torch.cuda.empty_cache()
     copy_row(P, "end")
