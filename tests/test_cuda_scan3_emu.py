@@ -1,5 +1,5 @@
-"""CPU emulation of the index math of the cluster scan of the CUDA chunked forward (kernels_src/cuda/delta_chunk_fwd.cuh:
-delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=3; MC=false is KDA_CUDA_CHUNK_SCAN=4).
+"""CPU emulation of the index math of the cluster scan of the CUDA chunked forward
+(kernels_src/cuda/delta_chunk_fwd.cuh: delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=3; MC=false is KDA_CUDA_CHUNK_SCAN=4).
 
 Runs without a GPU. It models the chunk's shared workspace region (w fp32, q~ / k~^T / A~ bf16, decay fp32; byte
 offsets of WsLayout<KP>(true)) at 2-byte granularity, replays the per-CTA pieces of the bulk (multicast) copies

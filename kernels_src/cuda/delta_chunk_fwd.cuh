@@ -1370,7 +1370,8 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
 #pragma unroll
       for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks) mma_row_tiles<false>(a0, frag_unpack(sq[wfi + ks * 32]), hs + cw, LDH, ks * 8, t4, gq);
+    for (int ks = 0; ks < KP / 8; ++ks)
+      mma_row_tiles<false>(a0, frag_unpack(sq[wfi + ks * 32]), hs + cw, LDH, ks * 8, t4, gq);
 #pragma unroll
     for (int ks = 0; ks < kChunk / 8; ++ks)
       if (ks < 2 * wi + 2) mma_row_tiles<false>(a1, frag_unpack(sa[afi + ks * 32]), Us + cw, LDH, ks * 8, t4, gq);
