@@ -28,9 +28,9 @@ else
     -k "scan3 or test_chunk_fwd_cuda_graph or (test_chunk_fwd and T200)" > "$OUT/tests.log" 2>&1
   tail -15 "$OUT/tests.log"
   # per-kernel times (torch profiler), bf16 K=V=128: the default scan (fwd) and scans 3 / 4 (fwd_scan3, fwd_scan4)
-  $T 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd --scans 3,4 \
+  KDA_CUDA_SCAN3_DEBUG=1 $T 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd --scans 3,4 \
     > "$OUT/kernel_times.json" 2> "$OUT/kernel_times.err"
-  cat "$OUT/kernel_times.json"
+  cat "$OUT/kernel_times.json"; grep "\[scan3\]" "$OUT/kernel_times.err"
   $T 40 python3 benchmarks/cuda/profile_chunk.py --phases fwd --families gdn --shape 4,4096,32,32,128,128 \
     --scans 3,4 > "$OUT/kernel_times_b4.json" 2>&1
   # whole forward, eager and graphs, scans 1 / 3 / 4 in one process, no fla (its Triton compile costs minutes)

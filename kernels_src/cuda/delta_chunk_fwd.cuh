@@ -1191,9 +1191,10 @@ __device__ __forceinline__ uint32_t cluster_nctarank_u32() {
   asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return r;
 }
-// Every thread of every CTA of the cluster: release its prior memory operations, acquire the others'.
+// Every thread of every CTA of the cluster: release its prior memory operations, acquire the others' (not the
+// .aligned form: it follows thread-0-only code).
 __device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

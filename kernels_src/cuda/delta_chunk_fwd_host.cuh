@@ -117,6 +117,16 @@ void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
   attr[0].val.clusterDim.z = cs;
   cfg.attrs = attr;
   cfg.numAttrs = MC ? 1 : 0;
+  if (MC && env_int("KDA_CUDA_SCAN3_DEBUG", 0) != 0) {  // clusters that fit at once (one block per SM at KP 128)
+    static int reported[kScan3MaxCluster + 1] = {};
+    if (!reported[cs]) {
+      int nmax = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&nmax, kern, &cfg));
+      fprintf(stderr, "[scan3] KP=%d cluster=%u clusters=%lld max active clusters=%d smem=%zu\n", KP, cs,
+              static_cast<long long>(p.N) * p.HV, nmax, S::bytes);
+      reported[cs] = 1;
+    }
+  }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
