@@ -148,10 +148,12 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
-@pytest.mark.parametrize("scan", ["split", "single", "scan3", "scan3_nocluster"])
+@pytest.mark.parametrize("scan", ["split", "single", "scan3", "scan3_nocluster", "scan3_bv64"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", {"split": "2", "single": "1", "scan3": "3", "scan3_nocluster": "4"}[scan])
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN",
+                       {"split": "2", "single": "1", "scan3": "3", "scan3_nocluster": "4", "scan3_bv64": "3"}[scan])
+    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", "64" if scan == "scan3_bv64" else "32")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
     fn = getattr(OPS, f"{family}_chunk_fwd")
@@ -282,19 +284,24 @@ SCAN3_CASES = ["T1", "T65", "T200", "T2048", "correlated_keys", "extreme_gates",
                "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"]
 
 
+@pytest.mark.parametrize("bv", ["32", "64"], ids=["bv32", "bv64"])
 @pytest.mark.parametrize("mode", ["3", "4"], ids=["cluster", "nocluster"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", SCAN3_CASES)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_scan3(family, case, dtype, mode, monkeypatch):
-    """The cluster scan (KDA_CUDA_CHUNK_SCAN=3; 4: without the cluster) against the float64 reference. Clusters of
-    1 (odd_kv, V=30), 2 (odd_v), 3 (wide_v), 4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the
-    single kernel (a smoke test of the fallback)."""
+def test_chunk_fwd_scan3(family, case, dtype, mode, bv, monkeypatch):
+    """The cluster scan (KDA_CUDA_CHUNK_SCAN=3; 4: without the cluster) against the float64 reference, 32-column
+    blocks (default) and 64 (KDA_CUDA_SCAN3_BV=64). Clusters (32 columns) of 1 (odd_kv, V=30), 2 (odd_v), 3
+    (wide_v), 4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the single kernel (a smoke test of
+    the fallback)."""
     if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
     if dtype == torch.float32 and case not in ("T200", "varlen"):
         pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
+    if bv == "64" and dtype != torch.bfloat16:
+        pytest.skip("64-column blocks: bf16 suffices")
     monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
+    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
     run_case(family, case, dtype, h0_on=case not in ("T1",))
 
 
@@ -314,11 +321,18 @@ def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
     out = {}
-    for sel in ("1", "3", "4"):
+    for sel, bv in (("1", "32"), ("3", "32"), ("4", "32"), ("3", "64"), ("4", "64")):
         monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
-        out[sel] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
-    (o1, s1), (o3, s3), (o4, s4) = out["1"], out["3"], out["4"]
-    assert torch.isfinite(o3.float()).all() and torch.isfinite(s3).all()
-    assert_close("o (scan3 vs single scan)", o1.float().cpu(), o3.float().cpu(), 1e-3)
-    assert_close("final_state (scan3 vs single scan)", s1.cpu(), s3.cpu(), 1e-4)
-    assert torch.equal(o3, o4) and torch.equal(s3, s4), "cluster and cluster-less scan3 differ"
+        monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
+        out[sel + "_" + bv] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
+    o1, s1 = out["1_32"]
+    for key in ("3_32", "3_64"):
+        o3, s3 = out[key]
+        assert torch.isfinite(o3.float()).all() and torch.isfinite(s3).all()
+        assert_close(f"o (scan {key} vs single scan)", o1.float().cpu(), o3.float().cpu(), 1e-3)
+        assert_close(f"final_state (scan {key} vs single scan)", s1.cpu(), s3.cpu(), 1e-4)
+    for bv in ("32", "64"):
+        (o3, s3), (o4, s4) = out["3_" + bv], out["4_" + bv]
+        assert torch.equal(o3, o4) and torch.equal(s3, s4), f"cluster and cluster-less scan3 differ (BV {bv})"
+    # the 32- and 64-column kernels run the same products per element in the same order
+    assert torch.equal(out["3_32"][0], out["3_64"][0]) and torch.equal(out["3_32"][1], out["3_64"][1])

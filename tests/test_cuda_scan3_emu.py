@@ -1,5 +1,6 @@
 """CPU emulation of the index math of the cluster scan of the CUDA chunked forward
-(kernels_src/cuda/delta_chunk_fwd.cuh: delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=3; MC=false is KDA_CUDA_CHUNK_SCAN=4).
+(kernels_src/cuda/delta_chunk_fwd.cuh: delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=3; MC=false is
+KDA_CUDA_CHUNK_SCAN=4; BV = 32 columns per block, or 64 with KDA_CUDA_SCAN3_BV=64).
 
 Runs without a GPU. It models the chunk's shared workspace region (w fp32, q~ / k~^T / A~ bf16, decay fp32; byte
 offsets of WsLayout<KP>(true)) at 2-byte granularity, replays the per-CTA pieces of the bulk (multicast) copies
@@ -14,9 +15,7 @@ import pytest
 
 from test_cuda_scan_split_emu import C, LANES, GQ, T4, Counted, make_problem, mma_row_tiles, reference, to_frag
 
-BV = 32       # kScan3BV
 NWARP = 8     # kScan3Threads / 32
-LDH = BV + 8  # Scan3Smem::LDH
 BULK_MAX = 16384
 MAX_CLUSTER = 8
 
@@ -88,9 +87,12 @@ def pieces(RB, rank, cs):
     return copies
 
 
-def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
-    """delta_chunk_scan3_kernel for one value head (HV = 1), every (sequence) cluster. Returns o [T, V] and ht
-    (counted) and the per-buffer phase log."""
+def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None, BV=32):
+    """delta_chunk_scan3_kernel<KP, mc, BV> for one value head (HV = 1), every (sequence) cluster. Returns o [T, V]
+    and ht (counted)."""
+    LDH = BV + 8  # Scan3Smem::LDH
+    WC = BV // 2  # columns per warp
+    NT = WC // 8
     L = ws_layout(KP)
     RB = region_bytes(KP)
     MT, KS, CSK = KP // 64, KP // 8, C // 8
@@ -101,7 +103,7 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
     ht = Counted(len(lens) * K * V)
     regions = [build_region(ch, KP) for ch in chunks]
     c_first = np.concatenate([[0], np.cumsum([(ln + C - 1) // C for ln in lens])])
-    cw_of = (lambda wc: wc * 8) if mutate == "cw" else (lambda wc: wc * 16)
+    cw_of = (lambda wc: wc * (WC // 2)) if mutate == "cw" else (lambda wc: wc * WC)
     for n, ln in enumerate(lens):
         nch = (ln + C - 1) // C
         bos = sum(lens[:n])
@@ -137,7 +139,7 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
                 wi, wc = w & 3, w >> 2
                 cw = cw_of(wc)
                 for mt in range(MT):
-                    for nt in range(2):
+                    for nt in range(NT):
                         a = np.zeros((32, 4))
                         for e in range(4):
                             r = (wi * MT + mt) * 16 + GQ + (e >> 1) * 8
@@ -158,8 +160,8 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
             def u0_of(ci, w):
                 wi, cw = w & 3, cw_of(w >> 2)
                 u = chunks[c_first[n] + ci]["u0"].reshape(-1)
-                out = np.zeros((2, 32, 4))
-                for nt in range(2):
+                out = np.zeros((NT, 32, 4))
+                for nt in range(NT):
                     for e in range(4):
                         r = wi * 16 + GQ + (e >> 1) * 8
                         c = v0 + cw + nt * 8 + 2 * T4 + (e & 1)
@@ -182,12 +184,12 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
                 for w in range(NWARP):
                     wi, cw = w & 3, cw_of(w >> 2)
                     wfi = wi * KS * 32 + LANES
-                    a0 = [np.zeros((32, 4)) for _ in range(2)]
-                    a1 = [np.zeros((32, 4)) for _ in range(2)]
+                    a0 = [np.zeros((32, 4)) for _ in range(NT)]
+                    a1 = [np.zeros((32, 4)) for _ in range(NT)]
                     for ks in range(0, KS, 2):
                         mma_row_tiles(a0, wfrag(wfi + ks * 32), hs[cw:], LDH, ks * 8)
                         mma_row_tiles(a1, wfrag(wfi + (ks + 1) * 32), hs[cw:], LDH, (ks + 1) * 8)
-                    for nt in range(2):
+                    for nt in range(NT):
                         for e in range(4):
                             r = wi * 16 + GQ + (e >> 1) * 8
                             newU.append((r * LDH + cw + nt * 8 + 2 * T4 + (e & 1),
@@ -201,14 +203,14 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
                     wi, cw = w & 3, cw_of(w >> 2)
                     wfi = wi * KS * 32 + LANES
                     afi = wi * CSK * 32 + LANES
-                    a0 = [np.zeros((32, 4)) for _ in range(2)]
-                    a1 = [np.zeros((32, 4)) for _ in range(2)]
+                    a0 = [np.zeros((32, 4)) for _ in range(NT)]
+                    a1 = [np.zeros((32, 4)) for _ in range(NT)]
                     for ks in range(KS):
                         mma_row_tiles(a0, hfrag("qg", wfi + ks * 32), hs[cw:], LDH, ks * 8)
                     for ks in range(CSK):
                         if ks < 2 * wi + 2:
                             mma_row_tiles(a1, hfrag("aqk", afi + ks * 32), Us[cw:], LDH, ks * 8)
-                    for nt in range(2):
+                    for nt in range(NT):
                         for e in range(4):
                             r = wi * 16 + GQ + (e >> 1) * 8
                             c = v0 + cw + nt * 8 + 2 * T4 + (e & 1)
@@ -221,7 +223,7 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None):
                     for mt in range(MT):
                         d0 = buf.f32(L["decay"] + (wi * MT + mt) * 16 + GQ)
                         d1 = buf.f32(L["decay"] + (wi * MT + mt) * 16 + GQ + 8)
-                        acc = [hacc[w, mt, nt] for nt in range(2)]
+                        acc = [hacc[w, mt, nt] for nt in range(NT)]
                         for a in acc:
                             a[:, 0] *= d0
                             a[:, 1] *= d0
@@ -251,14 +253,15 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("BV", [32, 64])
 @pytest.mark.parametrize("mc", [True, False])
 @pytest.mark.parametrize("KP,K,V,lens", SHAPES)
-def test_scan3(KP, K, V, lens, mc):
+def test_scan3(KP, K, V, lens, mc, BV):
     rng = np.random.default_rng(KP * 1000 + K * 10 + V)
     chunks = make_problem(rng, KP, K, V, lens)
     h0 = rng.standard_normal((len(lens), K, V)) * 0.5
     T_total = sum(lens)
-    o, ht = emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=mc)
+    o, ht = emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=mc, BV=BV)
     _, _, o_ref, ht_ref = reference(chunks, lens, h0, K, V)
     o_full = np.zeros((T_total, V))
     for t, row in o_ref.items():
@@ -282,18 +285,21 @@ def test_pieces_cover_region():
 
 
 def test_smem_budget():
-    """Scan3Smem<KP>::bytes within the 227 KB per block of sm_90 (two region buffers, hs, Us, two mbarriers)."""
-    for KP in (64, 128):
-        nbytes = 2 * region_bytes(KP) + 4 * KP * LDH + 4 * C * LDH + 16
-        assert nbytes <= 227 * 1024
-    assert 2 * region_bytes(128) + 4 * 128 * LDH + 4 * C * LDH + 16 == 179216
+    """Scan3Smem<KP, BV>::bytes within the 227 KB per block of sm_90 (two region buffers, hs, Us, two mbarriers)."""
+    for BV in (32, 64):
+        LDH = BV + 8
+        for KP in (64, 128):
+            nbytes = 2 * region_bytes(KP) + 4 * KP * LDH + 4 * C * LDH + 16
+            assert nbytes <= 227 * 1024
+    assert 2 * region_bytes(128) + 4 * 128 * 40 + 4 * C * 40 + 16 == 179216
 
 
 def test_bank_conflict_free_b_reads():
-    """B-fragment reads hs[(k0 + t4) * 40 + cw + nt * 8 + gq]: 32 distinct banks per warp."""
-    for cw in (0, 16):
-        banks = ((T4 * LDH) + cw + GQ) % 32
-        assert len(set(banks.tolist())) == 32
+    """B-fragment reads hs[(k0 + t4) * LDH + cw + nt * 8 + gq]: 32 distinct banks per warp."""
+    for BV in (32, 64):
+        for cw in (0, BV // 2):
+            banks = ((T4 * (BV + 8)) + cw + GQ) % 32
+            assert len(set(banks.tolist())) == 32
 
 
 def test_emulator_sees_index_mutations():

@@ -1159,16 +1159,17 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_out_kernel(const Chu
 // land a whole chunk step ahead and every A-fragment read is a local shared-memory read. u0 (this block's columns
 // only) is read from global memory one chunk ahead, as in the single kernel.
 // Block: 8 warps; warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of U and o and rows [wi KP/4, (wi+1) KP/4)
-// of h, for the 16 columns 16 wc .. 16 wc + 15 of the block's 32 (per warp: the work of the single kernel at
-// BV = 16). bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0
+// of h, for the BV/2 columns wc BV/2 .. (wc + 1) BV/2 - 1 of the block's BV (BV = 32: per warp the work of the
+// single kernel at BV = 16; BV = 64, KDA_CUDA_SCAN3_BV=64: twice the independent MMAs per k-step, half the
+// blocks and cluster size). bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0
 // and V > 256 run the single kernel (host).
 constexpr int kScan3Threads = 256;
-constexpr int kScan3BV = 32;
 constexpr int kScan3MaxCluster = 8;
 
-template <int KP>
+// BV: columns per block, 32 (default) or 64 (KDA_CUDA_SCAN3_BV=64: warps of 32 columns, half the clusters' size)
+template <int KP, int BV>
 struct Scan3Smem {
-  static constexpr int LDH = kScan3BV + 8;  // conflict-free B-fragment reads (8 t4 + gq covers the 32 banks)
+  static constexpr int LDH = BV + 8;  // conflict-free B-fragment reads (8 t4 + gq covers the 32 banks)
   // bytes of the shared region: WsLayout<KP>(true).u floats = w 64 KP + q~ 32 KP + k~^T 32 KP + A~ 2048 + decay KP
   static constexpr uint32_t region = (129 * KP + kChunk * kChunk / 2) * 4;
   static constexpr size_t hs_off = 2 * static_cast<size_t>(region);
@@ -1236,12 +1237,13 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 // MC false (KDA_CUDA_CHUNK_SCAN=4, an experiment): no cluster; each block copies the whole region into its own
 // shared memory (the same double-buffered bulk prefetch, the L2 reads of the single kernel at 32 columns).
-template <int KP, bool MC>
+template <int KP, bool MC, int BV>
 __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(const ChunkFwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using S = Scan3Smem<KP>;
+  using S = Scan3Smem<KP, BV>;
   constexpr int LDH = S::LDH;
-  constexpr int NT = 2;        // 8-column tiles per warp (16 columns)
+  constexpr int WC = BV / 2;   // columns per warp
+  constexpr int NT = WC / 8;   // 8-column tiles per warp
   constexpr int MT = KP / 64;  // 16-row tiles of h per warp
   constexpr uint32_t RB = S::region;
   const WsLayout<KP> WL(true);
@@ -1250,9 +1252,9 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
   float* Us = reinterpret_cast<float*>(smem3 + S::us_off);
   const uint32_t bar0 = smem_u32(smem3 + S::bar_off);  // buffer b's mbarrier: bar0 + 8 b
 
-  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * kScan3BV;
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wi = w & 3, wc = w >> 2;
-  const int cw = wc * 16;  // this warp's first column in the block's tile
+  const int cw = wc * WC;  // this warp's first column in the block's tile
   const int gq = lane >> 2, t4 = lane & 3;
   const int K = p.K, V = p.V, HV = p.HV;
   int64_t bos;

@@ -87,14 +87,15 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Cluster scan: grid (sequence, head, ceil(V / 32)), the whole grid z one cluster; 8 warps, ~175 KB of dynamic
-// shared memory at KP = 128 (two copies of the chunk's shared workspace region), one block per SM.
+// Cluster scan: grid (sequence, head, ceil(V / BV)), the whole grid z one cluster; 8 warps, ~175 KB (BV 32) /
+// ~199 KB (BV 64) of dynamic shared memory at KP = 128 (two copies of the chunk's shared workspace region), one
+// block per SM.
 // MC false (KDA_CUDA_CHUNK_SCAN=4, experiment): the same kernel without the cluster (each block copies the whole
 // region itself).
-template <int KP, bool MC>
+template <int KP, bool MC, int BV>
 void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
-  using S = Scan3Smem<KP>;
-  auto kern = delta_chunk_scan3_kernel<KP, MC>;
+  using S = Scan3Smem<KP, BV>;
+  auto kern = delta_chunk_scan3_kernel<KP, MC, BV>;
   static bool configured = false;  // once per instantiation
   if (!configured) {
     TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
@@ -102,7 +103,7 @@ void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
         cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::bytes)));
     configured = true;
   }
-  const unsigned cs = static_cast<unsigned>((p.V + kScan3BV - 1) / kScan3BV);
+  const unsigned cs = static_cast<unsigned>((p.V + BV - 1) / BV);
   TORCH_CHECK(cs >= 1 && cs <= static_cast<unsigned>(kScan3MaxCluster), "scan3: V too large for one cluster");
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan3: workspace slices must be 16-byte aligned");
   cudaLaunchConfig_t cfg = {};
@@ -122,7 +123,7 @@ void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
     if (!reported[cs]) {
       int nmax = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&nmax, kern, &cfg));
-      fprintf(stderr, "[scan3] KP=%d cluster=%u clusters=%lld max active clusters=%d smem=%zu\n", KP, cs,
+      fprintf(stderr, "[scan3] KP=%d BV=%d cluster=%u clusters=%lld max active clusters=%d smem=%zu\n", KP, BV, cs,
               static_cast<long long>(p.N) * p.HV, nmax, S::bytes);
       reported[cs] = 1;
     }
@@ -131,10 +132,17 @@ void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// KDA_CUDA_SCAN3_BV=64: 64-column blocks (read at every call; default 32).
 template <int KP>
 void launch_chunk_scan3(const ChunkFwdParams& p, cudaStream_t st) {
-  if (p.scan3 == 2) launch_chunk_scan3_t<KP, false>(p, st);
-  else launch_chunk_scan3_t<KP, true>(p, st);
+  const bool wide = env_int("KDA_CUDA_SCAN3_BV", 32) == 64;
+  if (p.scan3 == 2) {
+    if (wide) launch_chunk_scan3_t<KP, false, 64>(p, st);
+    else launch_chunk_scan3_t<KP, false, 32>(p, st);
+  } else {
+    if (wide) launch_chunk_scan3_t<KP, true, 64>(p, st);
+    else launch_chunk_scan3_t<KP, true, 32>(p, st);
+  }
 }
 
 // Split scan (p.hc set): the sequential state kernel over (sequence, head, BV columns), then the parallel output
@@ -200,7 +208,7 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
       else launch_chunk_state<KP, 32, PRECISE>(p, st);
     }
     if (max_chunks > 0) launch_chunk_out<KP, PRECISE>(p, max_chunks, st);
-  } else if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3BV * kScan3MaxCluster &&
+  } else if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= 32 * kScan3MaxCluster &&
              cached_cc_major() >= 9) {  // cluster scan
     if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
   } else {  // the single scan kernel (default; o inside the sequential loop)
