@@ -1149,20 +1149,21 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_out_kernel(const Chu
 
 // ---- Cluster scan (KDA_CUDA_CHUNK_SCAN=3): delta_chunk_scan3_kernel ----
 //
-// The single scan kernel's math with the 32-column blocks of one (sequence, value head) forming one thread-block
-// cluster (cluster dims (1, 1, CS), CS = ceil(V / 32) <= 8, the whole grid z): per chunk the workspace region shared
-// by every column block -- w, q~, k~^T, A~ and the decay, floats [0, WsLayout::u), contiguous, 74,240 bytes at
-// KP = 128 with the bf16 workspace -- is read from global memory once per cluster: CTA rank r copies bytes
-// [r P, (r + 1) P) of it (P = ceil(region / CS) rounded up to 16) with one cp.async.bulk multicast into the same
-// offset of every CTA's shared memory, signalling each CTA's mbarrier (complete_tx). Two buffers: chunk ci + 2 is
-// issued when every CTA of the cluster finished chunk ci (one cluster barrier per chunk), so each chunk's operands
-// land a whole chunk step ahead and every A-fragment read is a local shared-memory read. u0 (this block's columns
-// only) is read from global memory one chunk ahead, as in the single kernel.
+// The single scan kernel's math with the BV-column blocks (BV = 32, or 64 with KDA_CUDA_SCAN3_BV=64) of one
+// (sequence, value head) forming one thread-block cluster (cluster dims (1, 1, CS), CS = ceil(V / BV) <= 8, the
+// whole grid z): per chunk the workspace region shared by every column block -- w, q~, k~^T, A~ and the decay,
+// floats [0, WsLayout::u), contiguous, 74,240 bytes at KP = 128 with the bf16 workspace -- is read from global
+// memory once per cluster: CTA rank r copies bytes [r P, (r + 1) P) of it (P = ceil(region / CS) rounded up to 16,
+// at most 16 KB per instruction) with cp.async.bulk multicast into the same offset of every CTA's shared memory,
+// signalling each CTA's mbarrier (complete_tx). Two buffers: chunk ci + 2 is issued when every CTA of the cluster
+// finished chunk ci (one split cluster barrier per chunk), so each chunk's operands land a whole chunk step ahead
+// and every A-fragment read is a local shared-memory read. u0 (this block's columns only) is read from global
+// memory one chunk ahead, as in the single kernel.
 // Block: 8 warps; warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of U and o and rows [wi KP/4, (wi+1) KP/4)
 // of h, for the BV/2 columns wc BV/2 .. (wc + 1) BV/2 - 1 of the block's BV (BV = 32: per warp the work of the
-// single kernel at BV = 16; BV = 64, KDA_CUDA_SCAN3_BV=64: twice the independent MMAs per k-step, half the
-// blocks and cluster size). bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0
-// and V > 256 run the single kernel (host).
+// single kernel at BV = 16; BV = 64: twice the independent MMAs per k-step, half the blocks and cluster size).
+// bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0 and
+// V > 256 run the single kernel (host).
 constexpr int kScan3Threads = 256;
 constexpr int kScan3MaxCluster = 8;
 
@@ -1196,6 +1197,13 @@ __device__ __forceinline__ uint32_t cluster_nctarank_u32() {
 // .aligned form: it follows thread-0-only code).
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// The two halves (each thread: arrive, later wait, before its next arrive).
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -1404,13 +1412,15 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
         mma_row_tiles<false>(hacc[mt], frag_unpack(sk[kfi + (mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8,
                              t4, gq);
     }
+    // this thread is done with buffer ci & 1: thread 0 re-arms its mbarrier for chunk ci + 2 before arriving at the
+    // cluster barrier (so no peer's complete_tx can precede the expect_tx); the barrier's round trip overlaps the
+    // h store, and once every CTA of the cluster arrived, thread 0 refills the buffer
+    if (tid == 0 && ci + 2 < nch) mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
+    if constexpr (MC) cluster_arrive_release();
     __syncthreads();  // every warp finished reading hs (U, o) and Us
     store_h();
-    // this CTA is done with buffer ci & 1: re-arm its mbarrier for chunk ci + 2 before the cluster barrier (so no
-    // peer's complete_tx can precede the expect_tx), then, once every CTA is done with it, refill it
-    if (tid == 0 && ci + 2 < nch) mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
-    if constexpr (MC) cluster_sync_all();  // also the CTA barrier after store_h
-    else __syncthreads();
+    __syncthreads();  // hs complete for the next chunk
+    if constexpr (MC) cluster_wait_acquire();
     if (tid == 0 && ci + 2 < nch) issue(ci + 2);
   }
 
