@@ -13,6 +13,9 @@ with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA 
 delta_chunk_scan_kernel by default (every test above runs it); KDA_CUDA_CHUNK_SCAN=2 splits it (sequential
 delta_chunk_state_kernel + parallel delta_chunk_out_kernel): test_chunk_fwd_split_scan (float64 reference),
 test_chunk_scan_split_vs_old (both in one process) and test_chunk_fwd_scan_bv32 (32-column state kernel) cover it.
+KDA_CUDA_CHUNK_SCAN=3 runs the cluster scan delta_chunk_scan3_kernel (bf16 workspace, V <= 256; elsewhere the single
+kernel), 4 the same kernel without the cluster: test_chunk_fwd_scan3 (float64 reference), test_chunk_scan3_vs_single
+(against the single kernel, and 3 against 4 bit for bit) and the CUDA-graph replay cover them.
 """
 import importlib.util
 import subprocess
@@ -163,10 +166,12 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
-@pytest.mark.parametrize("scan", ["split", "single"])
+@pytest.mark.parametrize("scan", ["split", "single", "scan3", "scan3_nocluster", "scan3_bv64"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2" if scan == "split" else "1")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN",
+                       {"split": "2", "single": "1", "scan3": "3", "scan3_nocluster": "4", "scan3_bv64": "3"}[scan])
+    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", "64" if scan == "scan3_bv64" else "32")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
     fn = getattr(OPS, f"{family}_chunk_fwd")
@@ -255,3 +260,61 @@ def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
         # bf16 h_c: up to ~0.0016 where q~ h dominates o, plus o's own rounding landing differently
         assert_close("o (split vs single scan)", o1.float().cpu(), o2.float().cpu(), 3e-3 if ws == "ws_bf16" else 1e-3)
         assert_close("final_state (split vs single scan)", s1.cpu(), s2.cpu(), 2e-4)
+
+
+SCAN3_CASES = ["T1", "T65", "T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1", "gva_4x",
+               "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"]
+
+
+@pytest.mark.parametrize("bv", ["32", "64"], ids=["bv32", "bv64"])
+@pytest.mark.parametrize("mode", ["3", "4"], ids=["cluster", "nocluster"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", SCAN3_CASES)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_scan3(family, case, dtype, mode, bv, monkeypatch):
+    """The cluster scan (KDA_CUDA_CHUNK_SCAN=3; 4: without the cluster) against the float64 reference, 32-column
+    blocks (default) and 64 (KDA_CUDA_SCAN3_BV=64). Clusters (32 columns) of 1 (odd_kv, V=30), 2 (odd_v), 3
+    (wide_v), 4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the single kernel (a smoke test of
+    the fallback)."""
+    if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    if dtype == torch.float32 and case not in ("T200", "varlen"):
+        pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
+    if bv == "64" and dtype != torch.bfloat16:
+        pytest.skip("64-column blocks: bf16 suffices")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
+    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
+    run_case(family, case, dtype, h0_on=case not in ("T1",))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T65", "T200", "T2048", "extreme_gates", "gva_4x", "kv64", "odd_kv", "wide_v",
+                                  "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
+    """The cluster scan (3) and its cluster-less twin (4) against the single scan kernel (1, default) in one process,
+    same prep and bf16 workspace: the same tf32 products in another fp32 summation order (two chains), so o agrees
+    up to its own rounding and the final state to ~1e-6; 3 and 4 run the same arithmetic and agree bit for bit."""
+    spec = dict(CASES[case])
+    cu_list = spec.get("cu")
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make(family, dtype=dtype, **spec)
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
+    out = {}
+    for sel, bv in (("1", "32"), ("3", "32"), ("4", "32"), ("3", "64"), ("4", "64")):
+        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
+        monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
+        out[sel + "_" + bv] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
+    o1, s1 = out["1_32"]
+    for key in ("3_32", "3_64"):
+        o3, s3 = out[key]
+        assert torch.isfinite(o3.float()).all() and torch.isfinite(s3).all()
+        assert_close(f"o (scan {key} vs single scan)", o1.float().cpu(), o3.float().cpu(), 1e-3)
+        assert_close(f"final_state (scan {key} vs single scan)", s1.cpu(), s3.cpu(), 1e-4)
+    for bv in ("32", "64"):
+        (o3, s3), (o4, s4) = out["3_" + bv], out["4_" + bv]
+        assert torch.equal(o3, o4) and torch.equal(s3, s4), f"cluster and cluster-less scan3 differ (BV {bv})"
+    # the 32- and 64-column kernels run the same products per element in the same order
+    assert torch.equal(out["3_32"][0], out["3_64"][0]) and torch.equal(out["3_32"][1], out["3_64"][1])

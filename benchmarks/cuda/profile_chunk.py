@@ -56,6 +56,9 @@ def main():
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
     ap.add_argument("--scan-split", action="store_true",
                     help="also time the forward with the split scan (KDA_CUDA_CHUNK_SCAN=2) as fwd_scan_split")
+    ap.add_argument("--scans", default="",
+                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (2 split, 3 cluster scan, 4 scan3 without "
+                         "cluster) to also time the forward with, each as fwd_scanN")
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
@@ -75,10 +78,12 @@ def main():
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
-        for flag, phase, name, knobs in ((args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
-                                         (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
-                                         (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
-                                          {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"})):
+        extra = [(True, "fwd", f"fwd_scan{x}", {"KDA_CUDA_CHUNK_SCAN": x}) for x in args.scans.split(",") if x]
+        extra += [(args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
+                  (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
+                  (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
+                   {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"})]
+        for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 saved = {kn: os.environ.get(kn) for kn in knobs}
                 os.environ.update(knobs)

@@ -20,6 +20,8 @@
 // the chunks as kernel 2 but computes only U = u0 - w h and h <- e^{G_last} h + k~^T U, storing the chunk-start
 // state h_c (p.hc) and U (over u0 in the workspace); kernel 2b (delta_chunk_out_kernel), one block per (chunk,
 // value head, 64 columns), fully parallel: o = q~ h_c + A~ U.
+// Cluster scan (KDA_CUDA_CHUNK_SCAN=3; delta_chunk_scan3_kernel): kernel 2 with the 32-column blocks of a head in
+// one thread-block cluster sharing each chunk's w / q~ / k~^T / A~ through a TMA multicast into shared memory.
 #pragma once
 
 #include "delta_common.cuh"
@@ -52,6 +54,7 @@ struct ChunkFwdParams {
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
+  int scan3;          // 1: the cluster scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=3), 2: it without cluster (4)
   // split scan (delta_chunk_state_kernel + delta_chunk_out_kernel): the state at the start of every chunk,
   // [max_chunks, HV, K, V] row-major, bf16 when ws_bf16 (HALF) and fp32 otherwise; nullptr for the old scan
   void* hc;
@@ -1141,6 +1144,298 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_out_kernel(const Chu
         store_out_pair(p.o, ((tok0 + r) * HV + hv) * V + c, p.in_dtype, a0[nt][2 * hh] + a1[nt][2 * hh],
                        a0[nt][2 * hh + 1] + a1[nt][2 * hh + 1], c < V, c + 1 < V, veven);
     }
+}
+
+
+// ---- Cluster scan (KDA_CUDA_CHUNK_SCAN=3): delta_chunk_scan3_kernel ----
+//
+// The single scan kernel's math with the BV-column blocks (BV = 32, or 64 with KDA_CUDA_SCAN3_BV=64) of one
+// (sequence, value head) forming one thread-block cluster (cluster dims (1, 1, CS), CS = ceil(V / BV) <= 8, the
+// whole grid z): per chunk the workspace region shared by every column block -- w, q~, k~^T, A~ and the decay,
+// floats [0, WsLayout::u), contiguous, 74,240 bytes at KP = 128 with the bf16 workspace -- is read from global
+// memory once per cluster: CTA rank r copies bytes [r P, (r + 1) P) of it (P = ceil(region / CS) rounded up to 16,
+// at most 16 KB per instruction) with cp.async.bulk multicast into the same offset of every CTA's shared memory,
+// signalling each CTA's mbarrier (complete_tx). Two buffers: chunk ci + 2 is issued when every CTA of the cluster
+// finished chunk ci (one split cluster barrier per chunk), so each chunk's operands land a whole chunk step ahead
+// and every A-fragment read is a local shared-memory read. u0 (this block's columns only) is read from global
+// memory one chunk ahead, as in the single kernel.
+// Block: 8 warps; warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of U and o and rows [wi KP/4, (wi+1) KP/4)
+// of h, for the BV/2 columns wc BV/2 .. (wc + 1) BV/2 - 1 of the block's BV (BV = 32: per warp the work of the
+// single kernel at BV = 16; BV = 64: twice the independent MMAs per k-step, half the blocks and cluster size).
+// bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0 and
+// V > 256 run the single kernel (host).
+constexpr int kScan3Threads = 256;
+constexpr int kScan3MaxCluster = 8;
+
+// BV: columns per block, 32 (default) or 64 (KDA_CUDA_SCAN3_BV=64: warps of 32 columns, half the clusters' size)
+template <int KP, int BV>
+struct Scan3Smem {
+  static constexpr int LDH = BV + 8;  // conflict-free B-fragment reads (8 t4 + gq covers the 32 banks)
+  // bytes of the shared region: WsLayout<KP>(true).u floats = w 64 KP + q~ 32 KP + k~^T 32 KP + A~ 2048 + decay KP
+  static constexpr uint32_t region = (129 * KP + kChunk * kChunk / 2) * 4;
+  static constexpr size_t hs_off = 2 * static_cast<size_t>(region);
+  static constexpr size_t us_off = hs_off + sizeof(float) * KP * LDH;
+  static constexpr size_t bar_off = us_off + sizeof(float) * kChunk * LDH;
+  static constexpr size_t bytes = bar_off + 2 * sizeof(uint64_t);
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90+ PTX (clusters, bulk copies); the host checks
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ uint32_t cluster_ctarank_u32() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank_u32() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster: release its prior memory operations, acquire the others' (not the
+// .aligned form: it follows thread-0-only code).
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// The two halves (each thread: arrive, later wait, before its next arrive).
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// One arrival that also raises the phase's expected transaction bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred P1;\n\tmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n\tselp.u32 %0, 1, 0, P1;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Global -> the same shared-memory offset in every CTA of mask; complete_tx on the mbarrier at offset bar in each.
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                    uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+      "%4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
+      : "memory");
+}
+// Global -> this CTA's shared memory; complete_tx on its mbarrier bar.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+// MC false (KDA_CUDA_CHUNK_SCAN=4, an experiment): no cluster; each block copies the whole region into its own
+// shared memory (the same double-buffered bulk prefetch, the L2 reads of the single kernel at 32 columns).
+template <int KP, bool MC, int BV>
+__global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(const ChunkFwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = Scan3Smem<KP, BV>;
+  constexpr int LDH = S::LDH;
+  constexpr int WC = BV / 2;   // columns per warp
+  constexpr int NT = WC / 8;   // 8-column tiles per warp
+  constexpr int MT = KP / 64;  // 16-row tiles of h per warp
+  constexpr uint32_t RB = S::region;
+  const WsLayout<KP> WL(true);
+  extern __shared__ __align__(128) unsigned char smem3[];
+  float* hs = reinterpret_cast<float*>(smem3 + S::hs_off);
+  float* Us = reinterpret_cast<float*>(smem3 + S::us_off);
+  const uint32_t bar0 = smem_u32(smem3 + S::bar_off);  // buffer b's mbarrier: bar0 + 8 b
+
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wi = w & 3, wc = w >> 2;
+  const int cw = wc * WC;  // this warp's first column in the block's tile
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int K = p.K, V = p.V, HV = p.HV;
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
+  const int nch = (len + kChunk - 1) / kChunk;  // the same in every CTA of the cluster (same sequence)
+  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
+  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+
+  // this CTA's piece of the region, in 16-byte units
+  const uint32_t rank = MC ? cluster_ctarank_u32() : 0u, cs = MC ? cluster_nctarank_u32() : 1u;
+  const uint32_t units = RB / 16, per = (units + cs - 1) / cs;
+  const uint32_t pb0 = min(units, rank * per) * 16, pb1 = min(units, (rank + 1) * per) * 16;
+  const uint16_t mask = static_cast<uint16_t>((1u << cs) - 1u);
+  auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
+  auto issue = [&](int ci) {  // one thread per CTA; copies of at most kBulkMax bytes
+    constexpr uint32_t kBulkMax = 16384;
+    const uint32_t dst = smem_u32(smem3 + (ci & 1) * RB), bar = bar0 + 8 * (ci & 1);
+    const char* src = reinterpret_cast<const char*>(chunk_ws(ci));
+    for (uint32_t b = pb0; b < pb1; b += kBulkMax) {
+      const uint32_t nb = min(kBulkMax, pb1 - b);
+      if constexpr (MC) bulk_copy_multicast(dst + b, src + b, nb, bar, mask);
+      else bulk_copy(dst + b, src + b, nb, bar);
+    }
+  };
+
+  float hacc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
+      }
+  auto store_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+          hs[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
+        }
+  };
+  float u0r[NT][4];
+  auto load_u0 = [&](int ci) {
+    const float* ws = chunk_ws(ci);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        u0r[nt][e] = c < V ? __ldg(ws + WL.u + r * V + c) : 0.f;
+      }
+  };
+
+  if (tid == 0) {
+    mbar_init(bar0, 1);
+    mbar_init(bar0 + 8, 1);
+    mbar_init_fence();
+    // expected bytes of chunks 0 and 1, before any CTA can issue (the cluster barrier below)
+    if (nch > 0) mbar_arrive_expect_tx(bar0, RB);
+    if (nch > 1) mbar_arrive_expect_tx(bar0 + 8, RB);
+  }
+  store_h();
+  if constexpr (MC) cluster_sync_all();  // mbarriers initialised cluster-wide; hs complete
+  else __syncthreads();
+  if (tid == 0) {
+    if (nch > 0) issue(0);
+    if (nch > 1) issue(1);
+  }
+  if (nch > 0) load_u0(0);
+
+  const int wfi = wi * (KP / 8) * 32 + lane;                // tile-lane indices of this warp's fragments: w, q~
+  const int afi = wi * (kChunk / 8) * 32 + lane;            // A~
+  const int kfi = wi * MT * (kChunk / 8) * 32 + lane;       // k~^T
+  for (int ci = 0; ci < nch; ++ci) {
+    const int L = min(kChunk, len - ci * kChunk);
+    const unsigned char* buf = smem3 + (ci & 1) * RB;
+    const float4* sw = reinterpret_cast<const float4*>(buf) + WL.w / 4;    // fp32 float4 per tile-lane
+    const uint2* sq = reinterpret_cast<const uint2*>(buf + WL.qg * 4);     // bf16 uint2 per tile-lane
+    const uint2* sk = reinterpret_cast<const uint2*>(buf + WL.kg * 4);
+    const uint2* sa = reinterpret_cast<const uint2*>(buf + WL.aqk * 4);
+    const float* sd = reinterpret_cast<const float*>(buf) + WL.decay;
+    mbar_wait_parity(bar0 + 8 * (ci & 1), (ci >> 1) & 1);
+
+    // U = u0 - w h (two chains: even / odd k-steps)
+    float a0[NT][4], a1[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ks += 2) {
+      mma_row_tiles<false>(a0, sw[wfi + ks * 32], hs + cw, LDH, ks * 8, t4, gq);
+      mma_row_tiles<false>(a1, sw[wfi + (ks + 1) * 32], hs + cw, LDH, (ks + 1) * 8, t4, gq);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        Us[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = u0r[nt][e] - (a0[nt][e] + a1[nt][e]);
+      }
+    if (ci + 1 < nch) load_u0(ci + 1);
+    __syncthreads();  // Us complete
+
+    // o = q~ h + A~ U (two chains)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ++ks)
+      mma_row_tiles<false>(a0, frag_unpack(sq[wfi + ks * 32]), hs + cw, LDH, ks * 8, t4, gq);
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 8; ++ks)
+      if (ks < 2 * wi + 2) mma_row_tiles<false>(a1, frag_unpack(sa[afi + ks * 32]), Us + cw, LDH, ks * 8, t4, gq);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        if (r < L && c < V)
+          store_in(p.o, ((bos + ci * kChunk + r) * HV + hv) * V + c, p.in_dtype, a0[nt][e] + a1[nt][e]);
+      }
+
+    // h <- Diag(decay) h + k~^T U
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float d0 = sd[(wi * MT + mt) * 16 + gq], d1 = sd[(wi * MT + mt) * 16 + gq + 8];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        hacc[mt][nt][0] *= d0;
+        hacc[mt][nt][1] *= d0;
+        hacc[mt][nt][2] *= d1;
+        hacc[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 8; ++ks)
+        mma_row_tiles<false>(hacc[mt], frag_unpack(sk[kfi + (mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8,
+                             t4, gq);
+    }
+    // this thread is done with buffer ci & 1: thread 0 re-arms its mbarrier for chunk ci + 2 before arriving at the
+    // cluster barrier (so no peer's complete_tx can precede the expect_tx); the barrier's round trip overlaps the
+    // h store, and once every CTA of the cluster arrived, thread 0 refills the buffer
+    if (tid == 0 && ci + 2 < nch) mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
+    if constexpr (MC) cluster_arrive_release();
+    __syncthreads();  // every warp finished reading hs (U, o) and Us
+    store_h();
+    __syncthreads();  // hs complete for the next chunk
+    if constexpr (MC) cluster_wait_acquire();
+    if (tid == 0 && ci + 2 < nch) issue(ci + 2);
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
+      }
+  if constexpr (MC) cluster_sync_all();  // no CTA leaves while a peer's copy into it could still be in flight
+#endif  // __CUDA_ARCH__ >= 900
 }
 
 }  // namespace cuda

@@ -8,6 +8,10 @@
 // sequential state kernel and a parallel output kernel (measured on the H200 in session 4: 0.60 ms against the
 // single kernel's 0.56 at B1 T8192 H16 HV32, so not the default); the chunk-start states the split passes between
 // its kernels take K*V*2 bytes per (chunk, head) (bf16; fp32 inputs or KDA_CUDA_CHUNK_WS_BF16=0: 4 bytes).
+// KDA_CUDA_CHUNK_SCAN=3 runs the cluster scan delta_chunk_scan3_kernel (32-column blocks of a head in one cluster,
+// each chunk's shared operands multicast into shared memory) where it applies: bf16 workspace (bf16/fp16 inputs,
+// KDA_CUDA_CHUNK_WS_BF16 not 0), V <= 256 and an sm_90+ GPU; elsewhere the single kernel. KDA_CUDA_CHUNK_SCAN=4: the
+// same kernel without the cluster (an experiment: the bulk prefetch alone, no sharing).
 #pragma once
 
 #include "delta_chunk_fwd.cuh"
@@ -71,6 +75,64 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Cluster scan: grid (sequence, head, ceil(V / BV)), the whole grid z one cluster; 8 warps, ~175 KB (BV 32) /
+// ~199 KB (BV 64) of dynamic shared memory at KP = 128 (two copies of the chunk's shared workspace region), one
+// block per SM.
+// MC false (KDA_CUDA_CHUNK_SCAN=4, experiment): the same kernel without the cluster (each block copies the whole
+// region itself).
+template <int KP, bool MC, int BV>
+void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
+  using S = Scan3Smem<KP, BV>;
+  auto kern = delta_chunk_scan3_kernel<KP, MC, BV>;
+  static bool configured = false;  // once per instantiation
+  if (!configured) {
+    TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::bytes)));
+    configured = true;
+  }
+  const unsigned cs = static_cast<unsigned>((p.V + BV - 1) / BV);
+  TORCH_CHECK(cs >= 1 && cs <= static_cast<unsigned>(kScan3MaxCluster), "scan3: V too large for one cluster");
+  TORCH_CHECK(p.ws_stride % 4 == 0, "scan3: workspace slices must be 16-byte aligned");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), cs);
+  cfg.blockDim = dim3(kScan3Threads, 1, 1);
+  cfg.dynamicSmemBytes = S::bytes;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = cs;
+  cfg.attrs = attr;
+  cfg.numAttrs = MC ? 1 : 0;
+  if (MC && env_int("KDA_CUDA_SCAN3_DEBUG", 0) != 0) {  // clusters that fit at once (one block per SM at KP 128)
+    static int reported[kScan3MaxCluster + 1] = {};
+    if (!reported[cs]) {
+      int nmax = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&nmax, kern, &cfg));
+      fprintf(stderr, "[scan3] KP=%d BV=%d cluster=%u clusters=%lld max active clusters=%d smem=%zu\n", KP, BV, cs,
+              static_cast<long long>(p.N) * p.HV, nmax, S::bytes);
+      reported[cs] = 1;
+    }
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// KDA_CUDA_SCAN3_BV=64: 64-column blocks (read at every call; default 32).
+template <int KP>
+void launch_chunk_scan3(const ChunkFwdParams& p, cudaStream_t st) {
+  const bool wide = env_int("KDA_CUDA_SCAN3_BV", 32) == 64;
+  if (p.scan3 == 2) {
+    if (wide) launch_chunk_scan3_t<KP, false, 64>(p, st);
+    else launch_chunk_scan3_t<KP, false, 32>(p, st);
+  } else {
+    if (wide) launch_chunk_scan3_t<KP, true, 64>(p, st);
+    else launch_chunk_scan3_t<KP, true, 32>(p, st);
+  }
+}
+
 // Split scan (p.hc set): the sequential state kernel over (sequence, head, BV columns), then the parallel output
 // kernel over (chunk, head, 64 columns).
 template <int KP, int BV, bool PRECISE>
@@ -130,6 +192,9 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
       else launch_chunk_state<KP, 32, PRECISE>(p, st);
     }
     if (max_chunks > 0) launch_chunk_out<KP, PRECISE>(p, max_chunks, st);
+  } else if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= 32 * kScan3MaxCluster &&
+             cached_cc_major() >= 9) {  // cluster scan
+    if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
   } else {  // the single scan kernel (default; o inside the sequential loop)
     if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
     else launch_chunk_scan<KP, 32, PRECISE>(p, st);
@@ -188,7 +253,9 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   // Split scan (KDA_CUDA_CHUNK_SCAN=2, read at every call; default 1: the single scan kernel): the chunk-start
   // states, K x V per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
   at::Tensor hc;
-  if (env_int("KDA_CUDA_CHUNK_SCAN", 1) == 2) {
+  const int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 1);
+  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster (experiment)
+  if (scan_mode == 2) {
     hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
                    q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
     p.hc = hc.data_ptr();
