@@ -21,3 +21,13 @@ def test_grad2_c2_helpers_match_float64(tmp_path):
     r = subprocess.run([str(exe)], capture_output=True, text=True)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: the host check compiles with nvcc")
+def test_grad3_mma_helpers_match_float64(tmp_path):
+    exe = tmp_path / "check_grad3_mma"
+    subprocess.run(["nvcc", "-std=c++17", "-O2", "-x", "cu", f"-I{ROOT / 'kernels_src' / 'cuda'}",
+                    str(ROOT / "tests" / "cuda_host" / "check_grad3_mma.cu"), "-o", str(exe)], check=True)
+    r = subprocess.run([str(exe)], capture_output=True, text=True)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
