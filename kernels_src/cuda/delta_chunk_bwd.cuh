@@ -1820,7 +1820,6 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy_kernel(Params p) {
   const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
   const size_t tbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
   auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
-  // the thread's column of dX = [dU | dw] and its share of A_kk, all loads issued together
   // dX = [dU | dw] staged into dR (rows coalesced, 8 loads of a thread in flight at a time: holding a whole column's
   // 64 loads and addresses spilled at 128 registers); beta first, so that L = Diag(beta) A_kk goes straight to
   // shared memory
