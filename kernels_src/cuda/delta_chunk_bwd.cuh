@@ -1632,8 +1632,9 @@ __global__ void __launch_bounds__(NT, 1) grad2_kernel(Params p) {
 //   grad3_wy  (chunks x HV, 105 KB, 2 blocks per SM): back substitution of [dU | dw] with (I + L)^T (thread per
 //             column, as grad2), dL = -dR X^T, dv, dbeta's dR_u . v + dL . A_kk; writes dR_w over dw and
 //             dA_kk = Diag(beta) dL over akk (after every read of akk in the block).
-//   grad3_ch  (chunks x HV, grad2's shared layout): the per-channel stages C1 and C2 of grad2 unchanged, reading
-//             the intermediates from global memory; adds dRg . k to dbeta.
+//   grad3_ch  (chunks x HV, grad2's shared layout, 512 threads): the per-channel stages C1 and C2 of grad2,
+//             reading the intermediates from global memory (C2 in 4 roles: rows, columns, the in-sub-block pairs
+//             of sub-blocks 0-1 and 2-3, instead of grad2's 2); adds dRg . k to dbeta.
 // Intermediates: dQG, dKend, dGam_last reuse the v2 state buffers qgc, kendc, glc (not read after state_bwd2);
 // dw / dR_w is one more [chunks, HV, CH, KP] fp32 buffer (67 MB at B1 T8192 HV32).
 
@@ -1930,8 +1931,10 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy_kernel(Params p) {
   }
 }
 
+constexpr int NT3 = 512;  // grad3_ch: 16 warps in one block per SM (the shared layout of grad2 does not fit twice)
+
 template <bool PC>
-__global__ void __launch_bounds__(NT, 1) grad3_ch_kernel(Params p) {
+__global__ void __launch_bounds__(NT3, 1) grad3_ch_kernel(Params p) {
   ChunkPos cp;
   const int hv = blockIdx.y;
   if (!chunk_pos(p, blockIdx.x, cp)) return;
@@ -1955,39 +1958,39 @@ __global__ void __launch_bounds__(NT, 1) grad3_ch_kernel(Params p) {
   {
     const float4* s0 = reinterpret_cast<const float4*>(p.gdqg + tbase);
     const float4* s1 = reinterpret_cast<const float4*>(p.gdkend + tbase);
-    float4 r0[CH * KP / 4 / NT], r1[CH * KP / 4 / NT];
+    float4 r0[CH * KP / 4 / NT3], r1[CH * KP / 4 / NT3];
 #pragma unroll
-    for (int r = 0; r < CH * KP / 4 / NT; ++r) {
-      r0[r] = s0[tid + r * NT];
-      r1[r] = s1[tid + r * NT];
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      r0[r] = s0[tid + r * NT3];
+      r1[r] = s1[tid + r * NT3];
     }
 #pragma unroll
-    for (int r = 0; r < CH * KP / 4 / NT; ++r) {
-      reinterpret_cast<float4*>(R0)[tid + r * NT] = r0[r];
-      reinterpret_cast<float4*>(R1)[tid + r * NT] = r1[r];
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      reinterpret_cast<float4*>(R0)[tid + r * NT3] = r0[r];
+      reinterpret_cast<float4*>(R1)[tid + r * NT3] = r1[r];
     }
   }
   {
     const float4* s2 = reinterpret_cast<const float4*>(p.gdw + tbase);
     const float4* s3 = reinterpret_cast<const float4*>(p.aqk + abase);
     const float4* s4 = reinterpret_cast<const float4*>(p.akk + abase);
-    float4 r2[CH * KP / 4 / NT], r3[CH * CH / 4 / NT], r4[CH * CH / 4 / NT];
+    float4 r2[CH * KP / 4 / NT3], r3[CH * CH / 4 / NT3], r4[CH * CH / 4 / NT3];
 #pragma unroll
-    for (int r = 0; r < CH * KP / 4 / NT; ++r) r2[r] = s2[tid + r * NT];
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) r2[r] = s2[tid + r * NT3];
 #pragma unroll
-    for (int r = 0; r < CH * CH / 4 / NT; ++r) {
-      r3[r] = s3[tid + r * NT];
-      r4[r] = s4[tid + r * NT];
+    for (int r = 0; r < CH * CH / 4 / NT3; ++r) {
+      r3[r] = s3[tid + r * NT3];
+      r4[r] = s4[tid + r * NT3];
     }
 #pragma unroll
-    for (int r = 0; r < CH * KP / 4 / NT; ++r) {
-      const int i4 = tid + r * NT, t = i4 / (KP / 4), c4 = (i4 % (KP / 4)) * 4;
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      const int i4 = tid + r * NT3, t = i4 / (KP / 4), c4 = (i4 % (KP / 4)) * 4;
       *reinterpret_cast<float4*>(R2 + t * W + VP + c4) = r2[r];
     }
 #pragma unroll
-    for (int r = 0; r < CH * CH / 4 / NT; ++r) {
-      reinterpret_cast<float4*>(R3)[tid + r * NT] = r3[r];
-      reinterpret_cast<float4*>(R4)[tid + r * NT] = r4[r];
+    for (int r = 0; r < CH * CH / 4 / NT3; ++r) {
+      reinterpret_cast<float4*>(R3)[tid + r * NT3] = r3[r];
+      reinterpret_cast<float4*>(R4)[tid + r * NT3] = r4[r];
     }
   }
   if (tid < KP) dgl[tid] = p.gdgl[(static_cast<size_t>(cid) * HV + hv) * KP + tid];
@@ -2002,7 +2005,7 @@ __global__ void __launch_bounds__(NT, 1) grad3_ch_kernel(Params p) {
       using T = decltype(tag);
       const int h = hv / (HV / p.H);
 #pragma unroll 16
-      for (int i = tid; i < CH * KP; i += NT) {
+      for (int i = tid; i < CH * KP; i += NT3) {
         const int t = i / KP, c = i % KP;
         const bool ok = t < cp.Cc && c < K;
         const int64_t o = ((cp.row0 + t) * p.H + h) * K + c;
@@ -2034,7 +2037,7 @@ __global__ void __launch_bounds__(NT, 1) grad3_ch_kernel(Params p) {
   __syncthreads();
   {
     const int warp = tid >> 5, lane = tid & 31;
-    for (int t = warp; t < CH; t += NT / 32) {
+    for (int t = warp; t < CH; t += NT3 / 32) {
       float s = 0.f;
 #pragma unroll
       for (int c = lane; c < KP; c += 32) s = fmaf(R2[t * W + VP + c], ks[t * KP + c], s);
@@ -2068,42 +2071,45 @@ __global__ void __launch_bounds__(NT, 1) grad3_ch_kernel(Params p) {
   }
   __syncthreads();
   {
-    float r[CH * KP / NT];
+    float r[CH * KP / NT3];
 #pragma unroll
-    for (int k = 0; k < CH * KP / NT; ++k) {
-      const int i = tid + k * NT, t = i / KP, c = i % KP;
+    for (int k = 0; k < CH * KP / NT3; ++k) {
+      const int i = tid + k * NT3, t = i / KP, c = i % KP;
       r[k] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
     }
 #pragma unroll
-    for (int k = 0; k < CH * KP / NT; ++k) {
-      const int i = tid + k * NT;
+    for (int k = 0; k < CH * KP / NT3; ++k) {
+      const int i = tid + k * NT3;
       as[(i / KP) * W + i % KP] = r[k];
     }
   }
   __syncthreads();
-  // ---- C2 (as grad2)
+  // ---- C2: the helpers of grad2 in 4 roles of 128 threads (grad2: 2 roles of 128; rows, columns and the two
+  // halves of the in-sub-block pairs are of similar cost)
   {
     const C2Smem m{qs, ks, as, R3, R4, R0, R1, dg};
-    const int c = tid % KP;
-    if (tid < KP) {
+    const int c = tid % KP, role = tid / KP;  // 4 warps per role
+    if (role == 0) {
       c2_rows(m, c);
+    } else if (role == 1) {
+      c2_cols(m, c);
+    } else if (role == 2) {
       c2_intra(m, 0, c);
       c2_intra(m, 1, c);
     } else {
-      c2_cols(m, c);
       c2_intra(m, 2, c);
       c2_intra(m, 3, c);
     }
   }
   __syncthreads();
-  for (int i = tid; i < CH * KP; i += NT) {
+  for (int i = tid; i < CH * KP; i += NT3) {
     const int t = i / KP;
     const float dd = R3[t * CH + t];
     R0[i] = fmaf(dd, ks[i], R0[i]);
     R1[i] = fmaf(dd, qs[i], R1[i]);
   }
   __syncthreads();
-  for (int i = tid; i < cp.Cc * KP; i += NT) {
+  for (int i = tid; i < cp.Cc * KP; i += NT3) {
     const int t = i / KP, c = i % KP;
     if (c < K) {
       const int64_t o = tok(t) * K + c;

@@ -164,7 +164,7 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
     } else {
       cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
     }
