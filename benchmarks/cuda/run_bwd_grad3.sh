@@ -18,8 +18,10 @@ exec > >(tee "$FINAL_OUT/summary.txt") 2>&1
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1;
   python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; git log -1 --oneline 2>/dev/null; } > "$W/env.txt" 2>&1
 OUT=$W BUILD_TIMEOUT=${BUILD_TIMEOUT:-170} build_cuda 16
-grep -A2 "grad3_\|grad2_kernel" "$W/build.log" | grep -i "function properties\|registers\|spill\|Compiling entry" | head -40 > "$W/ptxas_grad.txt"
-grep -B1 -A1 "grad3_" "$W/build.log" | grep -i "registers\|spill" | head -12
+# ptxas: "Function properties for NAME", then the spill line, then "Used N registers"
+awk '/Function properties for/ { n = ($0 ~ /grad3_|grad2_kernel/) ? $NF : ""; k = 0; next }
+     n != "" && k < 2 { print n ": " $0; k++ }' "$W/build.log" | sed 's/  */ /g' > "$W/ptxas_grad.txt"
+cat "$W/ptxas_grad.txt"
 el build
 timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q -n 14 tests/test_cuda_chunk_bwd.py tests/test_cuda_chunk_bwd_host.py \
   -p no:cacheprovider -rfE > "$W/tests.log" 2>&1
@@ -44,13 +46,14 @@ for fam in ("kda", "gdn"):
         short = {}
         for k, v in d.items():
             m = re.search(r"(\w+_kernel)<", k)
-            short[m.group(1) if m else k[:20]] = v
+            key = m.group(1) if m else k[:20]
+            short[key] = short.get(key, 0.0) + v  # (grad3_vc_kernel<PC, 0..2>: summed)
         print(fam, ph, "total %.3f ms" % sum(d.values()), {k: round(v, 3) for k, v in short.items() if v > 0.01})
 PY
 el profile
 left=$(( ${TOTAL_S:-270} - ($(date +%s) - T0) ))
 if [ $left -lt 45 ]; then echo "no time for ncu"; else
-  KDA_CUDA_CHUNK_BWD_GRAD=3 timeout $(( left > 100 ? 70 : left - 30 )) ncu --set full -k regex:grad3 -c 3 \
+  KDA_CUDA_CHUNK_BWD_GRAD=3 timeout $(( left > 100 ? 70 : left - 30 )) ncu --set full -k regex:grad3 -c 5 \
     python3 benchmarks/cuda/profile_chunk.py --once kda_bwd > "$W/ncu_kda_bwd_grad3_details.txt" 2>&1
   grep -E "grad3_|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Executed Ipc A|No Eligible|Block Limit" \
     "$W/ncu_kda_bwd_grad3_details.txt" | head -40
