@@ -5,7 +5,8 @@
 // the other up to the next __syncthreads (so barrier semantics and shared memory are exact, shared-memory
 // "atomics" need no locking), __shfl_xor_sync goes through a block-wide buffer (every warp of these kernels
 // calls warp_sum the same number of times). Checks dq, dk, dg, dbeta, dv of both families, K=V=128 and odd
-// K/V with a partial last chunk, gates down to -1e4: finite and equal up to fp32 rounding. Built and run by
+// K/V with a partial last chunk, varlen with an empty sequence and the token-layout w, gates down to -1e4:
+// finite and equal up to fp32 rounding. Built and run by
 // tests/test_cuda_chunk_bwd_host.py (g++ and the CUDA headers; no GPU). Exit 0: pass.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -115,11 +116,17 @@ void launch(int gx, int gy, F kern, int nth = NT) {
 }
 
 template <bool PC>
-int check(int T, int HV, int K, int V, int seed, bool extreme) {
+int check(int T, int HV, int K, int V, int seed, bool extreme, bool varlen = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd;
   std::uniform_real_distribution<float> ud(0.f, 1.f);
-  const int H = 1, N = 1, tokens = T, nc = (T + CH - 1) / CH;
+  // varlen: sequences [0, 0), [0, 70), [70, T) (an empty one, partial chunks), and w in the token layout (the path
+  // of the v1 state kernels, wc == nullptr)
+  const int H = 1, N = varlen ? 3 : 1, tokens = T;
+  std::vector<int64_t> cu = {0, 0, 70, T};
+  std::vector<int> off = {0, (T + CH - 1) / CH};
+  if (varlen) off = {0, 0, (70 + CH - 1) / CH, (70 + CH - 1) / CH + (T - 70 + CH - 1) / CH};
+  const int nc = off[N];
   auto vec = [&](size_t n, float s) { std::vector<float> x(n); for (auto& e : x) e = s * nd(rng); return x; };
   auto q = vec(tokens * H * K, 1), k = vec(tokens * H * K, 0.3f), v = vec(tokens * HV * V, 1), dO = vec(tokens * HV * V, 1);
   std::vector<float> g(static_cast<size_t>(tokens) * HV * (PC ? K : 1)), beta(tokens * HV);
@@ -139,12 +146,13 @@ int check(int T, int HV, int K, int V, int seed, bool extreme) {
         for (int j = 0; j < KP; ++j) wc[((size_t(c) * HV + h) * CH + t) * KP + j] = (real && j < K) ? 0.3f * nd(rng) : 0.f;
         for (int j = 0; j < t; ++j) akk[((size_t(c) * HV + h) * CH + t) * CH + j] = real ? 0.2f * nd(rng) : 0.f;
       }
-  int off[2] = {0, nc};
+  auto w = vec(size_t(tokens) * HV * K, 0.3f);
   Params p{};
   p.q = q.data(); p.k = k.data(); p.v = v.data(); p.grad_o = dO.data(); p.g = g.data(); p.beta = beta.data();
-  p.cu = nullptr; p.in_dtype = kF32;
-  p.B = 1; p.T = T; p.H = H; p.HV = HV; p.K = K; p.V = V; p.N = N; p.scale = 0.7f; p.chunk_off = off;
-  p.u = u.data(); p.U = U.data(); p.dU = dU.data(); p.hs = hs.data(); p.dhs = dhs.data(); p.wc = wc.data();
+  p.cu = varlen ? cu.data() : nullptr; p.in_dtype = kF32;
+  p.B = 1; p.T = T; p.H = H; p.HV = HV; p.K = K; p.V = V; p.N = N; p.scale = 0.7f; p.chunk_off = off.data();
+  p.u = u.data(); p.U = U.data(); p.dU = dU.data(); p.hs = hs.data(); p.dhs = dhs.data();
+  if (varlen) p.w = w.data(); else p.wc = wc.data();
   struct Out { std::vector<float> dq, dk, dg, dbeta, dv; };
   auto fresh = [&](Out& o) {
     o.dq.assign(tokens * HV * K, NAN); o.dk.assign(tokens * HV * K, NAN); o.dg.assign(tokens * HV * K, NAN);
@@ -182,7 +190,8 @@ int check(int T, int HV, int K, int V, int seed, bool extreme) {
     printf("  %-5s max|grad2| %.3g  max|grad3 - grad2| %.3g  %s\n", name, m, e, ok ? "ok" : (fin ? "MISMATCH" : "NONFINITE"));
     fail += !ok;
   };
-  printf("%s T=%d HV=%d K=%d V=%d gates %s\n", PC ? "kda" : "gdn", T, HV, K, V, extreme ? "extreme" : "mild");
+  printf("%s T=%d HV=%d K=%d V=%d gates %s%s\n", PC ? "kda" : "gdn", T, HV, K, V, extreme ? "extreme" : "mild",
+         varlen ? ", varlen with an empty sequence, token-layout w" : "");
   cmp("dq", a.dq, b.dq); cmp("dk", a.dk, b.dk); cmp("dg", a.dg, b.dg); cmp("dbeta", a.dbeta, b.dbeta); cmp("dv", a.dv, b.dv);
   return fail;
 }
@@ -194,6 +203,8 @@ int main() {
     fail += check<true>(77, 1, 40, 30, 2, ex);
     fail += check<false>(100, 1, 128, 128, 3, ex);
     fail += check<false>(64, 1, 40, 30, 4, ex);
+    fail += check<true>(150, 2, 32, 100, 5, ex, true);
+    fail += check<false>(150, 1, 128, 128, 6, ex, true);
   }
   printf(fail ? "FAIL\n" : "PASS\n");
   return fail ? 1 : 0;
