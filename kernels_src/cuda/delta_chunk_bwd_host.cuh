@@ -119,6 +119,9 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                                         static_cast<int>(cb::kGradSmem)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad3_wy_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kWySmem)));
+    // two 105 KB blocks per SM need the largest shared-memory carveout (not left to the driver's choice)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad3_wy_kernel<PC>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(cb::grad3_ch_kernel<PC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(cb::kGradSmem)));
     attrs_set = true;
