@@ -42,7 +42,8 @@ def _cuda_include():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
-                    reason="g++ or the CUDA headers (cuda_bf16.h) not installed: the emulation compiles the kernels with g++")
+                    reason="g++ or the CUDA headers (cuda_bf16.h) not installed: the emulation compiles the kernels "
+                           "with g++")
 def test_grad3_kernels_match_grad2_emulated(tmp_path):
     # the whole grad2_kernel and the five grad3 launches run on the CPU (tests/cuda_host/emu_grad3.cpp: the kernel
     # source compiled by g++, each block's threads as coroutines switched at __syncthreads), same random work

@@ -5,9 +5,9 @@
 // the other up to the next __syncthreads (so barrier semantics and shared memory are exact, shared-memory
 // "atomics" need no locking), __shfl_xor_sync goes through a block-wide buffer (every warp of these kernels
 // calls warp_sum the same number of times). Checks dq, dk, dg, dbeta, dv of both families, K=V=128 and odd
-// K/V with a partial last chunk, varlen with an empty sequence and the token-layout w, bf16 q/k/v/dO, gates down to -1e4:
-// finite and equal up to fp32 rounding. Built and run by
-// tests/test_cuda_chunk_bwd_host.py (g++ and the CUDA headers; no GPU). Exit 0: pass.
+// K/V with a partial last chunk, varlen with an empty sequence and the token-layout w, bf16 q/k/v/dO, gates
+// down to -1e4: finite and equal up to fp32 rounding. Built and run by tests/test_cuda_chunk_bwd_host.py (g++
+// and the CUDA headers; no GPU). Exit 0: pass.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
