@@ -6,6 +6,8 @@
 # Nsight Compute details of the three grad3 kernels, the backward benchmark with grad3 if time is left.
 # Everything goes to $W (outside $OUT) and is packed into one archive, $OUT/grad3_results.tgz, plus
 # $OUT/summary.txt (the console lines); `timeout` around each step. TOTAL_S: the time the call is allowed.
+# Usage (device call, copy of the worktree in .dev/cuda-bwd-grad3, no fla needed):
+#   cd .dev/cuda-bwd-grad3 && TOTAL_S=280 bash benchmarks/cuda/run_bwd_grad3.sh
 WHL=${WHL:-/nonexistent}  # no fla
 source "$(dirname "$0")/device_env.sh"
 W=/tmp/grad3_run; rm -rf "$W"; mkdir -p "$W"
