@@ -3,7 +3,7 @@
 # grad3_wy, grad3_ch; issue #7, session 5): build (sm_90, ptxas lines of the grad kernels), the host checks and
 # tests/test_cuda_chunk_bwd.py (incl. grad3 vs grad2 on varlen / odd dims / V=200 blocks / GVA / gates at -1e4 /
 # bf16), the float64-reference tests with grad3 forced, per-kernel times of default / grad3 / v1 in one process,
-# Nsight Compute details of the three grad3 kernels, the backward benchmark with grad3 if time is left.
+# Nsight Compute details of the five grad3 launches, the backward benchmark with grad3 if time is left.
 # Everything goes to $W (outside $OUT) and is packed into one archive, $OUT/grad3_results.tgz, plus
 # $OUT/summary.txt (the console lines); `timeout` around each step. TOTAL_S: the time the call is allowed.
 # Usage (device call, copy of the worktree in .dev/cuda-bwd-grad3, no fla needed):
