@@ -105,8 +105,8 @@ def test_chunk_bwd_matches_recurrent_bwd(family):
 
 
 def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
-    """The chunked backward's gradients with the default kernels and with `knob`=1 (an older kernel, read by the
-    host at every call), same inputs and cotangents. Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
+    """The chunked backward's gradients with the default kernels and with `knob` ("NAME=VAL[,NAME=VAL]", each
+    setting KDA_CUDA_CHUNK_BWD_<NAME>, read by the host at every call), same inputs and cotangents. Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
     T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly)."""
     spec = dict(CASES[case]) if case in CASES else dict(B=1, T=200, H=1, HV=2)
     cu_list = spec.pop("cu", None)
@@ -121,7 +121,9 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     do = torch.randn_like(v)
     op = getattr(OPS, f"{family}_chunk_bwd")
     a = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
-    monkeypatch.setenv(knob, "1")
+    for kv in knob.split(","):
+        name, val = kv.split("=")
+        monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
     return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
 
 
@@ -131,7 +133,7 @@ def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
     # the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1, kept to compare) and the default v2 compute the same
     # recurrences from the same decay products; only the fp32 summation order differs. T200_gates_1e4: 30 % of
     # the gates at -1e4 (e^g = 0 exactly): everything finite
-    a, b = bwd_default_and_knob(family, case, torch.float32, 7, "KDA_CUDA_CHUNK_BWD_STATE", monkeypatch)
+    a, b = bwd_default_and_knob(family, case, torch.float32, 7, "STATE=1", monkeypatch)
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
         assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
@@ -140,15 +142,18 @@ def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_bf16"])
-@pytest.mark.parametrize("knob", ["KDA_CUDA_CHUNK_BWD_GRAD", "KDA_CUDA_CHUNK_BWD_PREP"])
+@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=3", "GRAD=3,STATE=1", "PREP=1"])
 def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
-    # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare) and the default grad2 (sub-block factorisation
-    # of the intra-chunk decays, register back substitution), and likewise v1 prep (KDA_CUDA_CHUNK_BWD_PREP=1) and
-    # the default (forward substitution in registers), compute the same gradients; only the fp32 summation order
-    # differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly): everything finite
+    # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare), the split grad3 kernels (=3; with the v1
+    # state kernels too, where grad3 allocates its own intermediates) and the default grad2 (sub-block
+    # factorisation of the intra-chunk decays, register back substitution), and likewise v1 prep
+    # (KDA_CUDA_CHUNK_BWD_PREP=1) and the default (forward substitution in registers), compute the same gradients;
+    # only the fp32 summation order differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
+    # everything finite
     dtype = torch.bfloat16 if case == "T200_bf16" else torch.float32
     a, b = bwd_default_and_knob(family, case, dtype, 11, knob, monkeypatch)
     tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
+        assert torch.isfinite(y).all(), name
         assert_close(name, y.double().cpu(), x.double().cpu(), tol)

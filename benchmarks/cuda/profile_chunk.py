@@ -62,6 +62,9 @@ def main():
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
+    ap.add_argument("--bwd-grad3", action="store_true",
+                    help="also time the backward with the split grad kernels (KDA_CUDA_CHUNK_BWD_GRAD=3: grad3_vc, "
+                         "grad3_wy, grad3_ch) as bwd_grad3")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -82,7 +85,8 @@ def main():
         extra += [(args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
                   (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
-                   {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"})]
+                   {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
+                  (args.bwd_grad3, "bwd", "bwd_grad3", {"KDA_CUDA_CHUNK_BWD_GRAD": "3"})]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 saved = {kn: os.environ.get(kn) for kn in knobs}

@@ -60,6 +60,10 @@ struct Params {
   // padded to CH x KP with zeros, written by prep: w (then p.w is not written; grad reads wc), K Eend, Q Gam,
   // and Gam_last [chunks, HV, KP]
   float *wc, *kendc, *qgc, *glc;  // [chunks, HV, CH, KP] (glc: [chunks, HV, KP])
+  // grad v3 (KDA_CUDA_CHUNK_BWD_GRAD=3) intermediates, [chunks, HV, CH, KP] padded tiles (gdgl: [chunks, HV, KP]):
+  // dQG, dKend, dw (then dR_w, in place), dGam_last. With the v2 state kernels the host points gdqg / gdkend /
+  // gdgl at qgc / kendc / glc (dead once state_bwd2 has run); dA_qk and dA_kk go in place into aqk and akk.
+  float *gdqg, *gdkend, *gdw, *gdgl;
   // outputs
   float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host)
   float *dbeta;         // [tokens, HV]
@@ -1604,6 +1608,508 @@ __global__ void __launch_bounds__(NT, 1) grad2_kernel(Params p) {
   }
   __syncthreads();
   for (int i = tid; i < cp.Cc * KP; i += NT) {
+    const int t = i / KP, c = i % KP;
+    if (c < K) {
+      const int64_t o = tok(t) * K + c;
+      p.dq[o] = R0[i];
+      p.dk[o] = R1[i];
+      p.dg[o] = dg[t * W + c];
+    }
+  }
+  if (tid < cp.Cc) p.dbeta[tok(tid)] = dbeta[tid];
+}
+
+
+// ------------------------------------------------------------------------------------------------ grad v3
+// grad2_kernel split into three kernels with small footprints so that several blocks share an SM (grad2: one
+// 231 KB block of 8 warps per SM, 255 registers, latency bound). KDA_CUDA_CHUNK_BWD_GRAD=3 selects it. Same
+// quantities, same order of every sum that is not a plain contraction, same exactness rules (fp32, every decay
+// factor a running product of a_i <= 1, dg formed directly):
+//   grad3_vc  (3 launches of chunks x HV blocks, 42 KB, 128 registers): the contractions over V, one output per Z,
+//             accumulated in registers (4 x 4 tiles as bgemm, but kept across the 32-column slices):
+//             Z = 0: dQG = dO S0^T and dA_qk = dO U^T (masked to j <= t, into aqk in place);
+//             Z = 1: dKend = U dS1^T and dGam_last = sum_v dS1 * S0;  Z = 2: dw = -dU S0^T.
+//   grad3_wy  (chunks x HV, 105 KB, 2 blocks per SM): back substitution of [dU | dw] with (I + L)^T (thread per
+//             column, as grad2), dL = -dR X^T, dv, dbeta's dR_u . v + dL . A_kk; writes dR_w over dw and
+//             dA_kk = Diag(beta) dL over akk (after every read of akk in the block).
+//   grad3_ch  (chunks x HV, grad2's shared layout, 512 threads): the per-channel stages C1 and C2 of grad2,
+//             reading the intermediates from global memory (C2 in 4 roles: rows, columns, the in-sub-block pairs
+//             of sub-blocks 0-1 and 2-3, instead of grad2's 2); adds dRg . k to dbeta.
+// Intermediates: dQG, dKend, dGam_last reuse the v2 state buffers qgc, kendc, glc (not read after state_bwd2);
+// dw / dR_w is one more [chunks, HV, CH, KP] fp32 buffer (67 MB at B1 T8192 HV32).
+
+// Thread tid's share of a 64 x 128 product over Kd (<= TS) contraction indices: rows m0 + 32 r + i (m0 =
+// (tid / 32) * 4), columns n0 + 32 j (n0 = tid % 32), r < 2, i, j < 4. A [CH][TS] (row t), Bm [KP][TS] (row c):
+// a warp's A reads are broadcasts, its Bm reads stride TS (33, conflict-free).
+template <int UNR = 2>
+__host__ __device__ __forceinline__ void mma_64x128(float (&acc)[2][4][4], int tid, const float* A, const float* Bm,
+                                                    int Kd) {
+  const int m0 = (tid >> 5) * 4, n0 = tid & 31;
+#pragma unroll UNR
+  for (int kk = 0; kk < Kd; ++kk) {
+    float a[2][4], b[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j] = Bm[(n0 + 32 * j) * TS + kk];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[r][i] = A[(m0 + 32 * r + i) * TS + kk];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[r][i][j] = fmaf(a[r][i], b[j], acc[r][i][j]);
+  }
+}
+
+// Thread tid's share of a 64 x 64 product: rows m0 + i (m0 = (tid / 16) * 4), columns n0 + 16 j (n0 = tid % 16).
+// A [CH][LA] (LA = TS, or W for grad3_wy's dR), Bm [CH][TS].
+template <int LA = TS, int UNR = 2>
+__host__ __device__ __forceinline__ void mma_64x64(float (&acc)[4][4], int tid, const float* A, const float* Bm,
+                                                   int Kd) {
+  const int m0 = (tid >> 4) * 4, n0 = tid & 15;
+#pragma unroll UNR
+  for (int kk = 0; kk < Kd; ++kk) {
+    float a[4], b[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j] = Bm[(n0 + 16 * j) * TS + kk];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = A[(m0 + i) * LA + kk];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+  }
+}
+
+constexpr size_t kVcSmem = (2 * KP * TS + CH * TS) * sizeof(float);
+constexpr size_t kWySmem = (2 * CH * CH + CH * W + CH * TS + CH) * sizeof(float);
+
+template <int Z>
+__device__ __forceinline__ void vc_body(const Params& p, const ChunkPos& cp, int cid, int hv, float* sm) {
+  float* Bt = sm;            // [KP][TS]: S0 (z = 0, 2) or dS1 (z = 1)
+  float* Ct = Bt + KP * TS;  // z = 0: U [CH][TS]; z = 1: S0 [KP][TS]
+  float* At = Ct + KP * TS;  // [CH][TS]: scale dO (z = 0), U (z = 1), dU (z = 2)
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const size_t sbase = (static_cast<size_t>(cid) * HV + hv) * K * V;
+  const size_t tbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+  constexpr int NC = Z == 0 ? 8 : (Z == 1 ? 16 : 1);
+  float pa[8], pb[16], pc[NC];
+  const float* bsrc = Z == 1 ? p.dhs : p.hs;
+  auto ld = [&](int v0) {
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int i = tid + r * NT, c = i >> 5, v = i & 31;
+      const bool ok = c < K && v0 + v < V;
+      const size_t o = sbase + static_cast<size_t>(c) * V + v0 + v;
+      pb[r] = ok ? bsrc[o] : 0.f;
+      if constexpr (Z == 1) pc[r] = ok ? p.hs[o] : 0.f;
+    }
+    if constexpr (Z == 0) {
+      auto ld_do = [&](auto tag) {
+        using T = decltype(tag);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          const int i = tid + r * NT, t = i >> 5, v = i & 31;
+          const bool ok = t < cp.Cc && v0 + v < V;
+          pa[r] = ok ? p.scale * ld_elem<T>(p.grad_o, tok(t) * V + v0 + v) : 0.f;
+          pc[r] = ok ? p.U[tok(t) * V + v0 + v] : 0.f;
+        }
+      };
+      if (p.in_dtype == kBF16) ld_do(__nv_bfloat16{});
+      else if (p.in_dtype == kF16) ld_do(__half{});
+      else ld_do(0.f);
+    } else {
+      const float* asrc = Z == 1 ? p.U : p.dU;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int i = tid + r * NT, t = i >> 5, v = i & 31;
+        const bool ok = t < cp.Cc && v0 + v < V;
+        pa[r] = ok ? asrc[tok(t) * V + v0 + v] : 0.f;
+      }
+    }
+  };
+  float acc[2][4][4], acc2[4][4], dgl = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[0][i][j] = 0.f;
+      acc[1][i][j] = 0.f;
+      acc2[i][j] = 0.f;
+    }
+  ld(0);
+  for (int v0 = 0; v0 < V; v0 += 32) {
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const int i = tid + r * NT, c = i >> 5, v = i & 31;
+      Bt[c * TS + v] = pb[r];
+      if constexpr (Z == 1) Ct[c * TS + v] = pc[r];
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int i = tid + r * NT, t = i >> 5, v = i & 31;
+      At[t * TS + v] = pa[r];
+      if constexpr (Z == 0) Ct[t * TS + v] = pc[r];
+    }
+    __syncthreads();
+    if (v0 + 32 < V) ld(v0 + 32);
+    mma_64x128<2>(acc, tid, At, Bt, 32);
+    if constexpr (Z == 0) mma_64x64<TS, 2>(acc2, tid, At, Ct, 32);
+    if constexpr (Z == 1) {
+      if (tid < KP) {
+#pragma unroll 8
+        for (int v = 0; v < 32; ++v) dgl = fmaf(Bt[tid * TS + v], Ct[tid * TS + v], dgl);
+      }
+    }
+  }
+  float* out = Z == 0 ? p.gdqg : (Z == 1 ? p.gdkend : p.gdw);
+  const float sg = Z == 2 ? -1.f : 1.f;
+  {
+    const int m0 = (tid >> 5) * 4, n0 = tid & 31;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out[tbase + (m0 + 32 * r + i) * KP + n0 + 32 * j] = sg * acc[r][i][j];
+  }
+  if constexpr (Z == 0) {
+    const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+    const int m0 = (tid >> 4) * 4, n0 = tid & 15;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = m0 + i, jj = n0 + 16 * j;
+        p.aqk[abase + t * CH + jj] = jj <= t ? acc2[i][j] : 0.f;  // dA_qk (lower incl. the diagonal)
+      }
+  }
+  if constexpr (Z == 1) {
+    if (tid < KP) p.gdgl[(static_cast<size_t>(cid) * HV + hv) * KP + tid] = dgl;
+  }
+}
+
+// (one kernel per output, launched one after the other: the three bodies in one kernel spilled at 128 registers,
+// each alone does not)
+template <bool PC, int Z>
+__global__ void __launch_bounds__(NT, 2) grad3_vc_kernel(Params p) {
+  ChunkPos cp;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  extern __shared__ __align__(16) float sm[];
+  vc_body<Z>(p, cp, blockIdx.x, blockIdx.y, sm);
+}
+
+template <bool PC>
+__global__ void __launch_bounds__(NT, 2) grad3_wy_kernel(Params p) {
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  extern __shared__ __align__(16) float sm[];
+  float* Ls = sm;              // [CH][CH]: L = Diag(beta) A_kk
+  float* dL = Ls + CH * CH;    // [CH][CH]
+  float* dR = dL + CH * CH;    // [CH][W]
+  float* Xt = dR + CH * W;     // [CH][TS]
+  float* beta = Xt + CH * TS;  // [CH]
+  const int tid = threadIdx.x;
+  const int K = p.K, V = p.V, HV = p.HV;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  const size_t tbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+  // dX = [dU | dw] staged into dR (rows coalesced, 8 loads of a thread in flight at a time: holding a whole column's
+  // 64 loads and addresses spilled at 128 registers); beta first, so that L = Diag(beta) A_kk goes straight to
+  // shared memory
+  if (tid < CH) beta[tid] = tid < cp.Cc ? p.beta[tok(tid)] : 0.f;
+#pragma unroll 8
+  for (int i = tid; i < CH * VP; i += NT) {
+    const int t = i / VP, c = i % VP;
+    dR[t * W + c] = (t < cp.Cc && c < V) ? p.dU[tok(t) * V + c] : 0.f;
+  }
+  {
+    const float4* src = reinterpret_cast<const float4*>(p.gdw + tbase);
+#pragma unroll 8
+    for (int i4 = tid; i4 < CH * KP / 4; i4 += NT) {
+      const int t = i4 / (KP / 4), c4 = (i4 % (KP / 4)) * 4;
+      *reinterpret_cast<float4*>(dR + t * W + VP + c4) = src[i4];
+    }
+  }
+  __syncthreads();
+#pragma unroll 4
+  for (int k = 0; k < CH * CH / NT; ++k) {
+    const int i = tid + k * NT;
+    Ls[i] = beta[i / CH] * p.akk[abase + i];
+  }
+  float x[CH];
+#pragma unroll
+  for (int t = 0; t < CH; ++t) x[t] = dR[t * W + tid];
+  float px[CH * 32 / NT];
+  auto ld_x = [&](int x0) {  // x0 is a multiple of 32: the u / w choice is uniform over the slice
+    if (x0 < VP) {
+#pragma unroll
+      for (int r = 0; r < CH * 32 / NT; ++r) {
+        const int i = tid + r * NT, t = i >> 5, c = x0 + (i & 31);
+        px[r] = (t < cp.Cc && c < V) ? p.u[tok(t) * V + c] : 0.f;
+      }
+    } else if (p.wc != nullptr) {
+#pragma unroll
+      for (int r = 0; r < CH * 32 / NT; ++r) {
+        const int i = tid + r * NT, t = i >> 5, c = x0 - VP + (i & 31);
+        px[r] = (t < cp.Cc && c < K) ? p.wc[tbase + t * KP + c] : 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < CH * 32 / NT; ++r) {
+        const int i = tid + r * NT, t = i >> 5, c = x0 - VP + (i & 31);
+        px[r] = (t < cp.Cc && c < K) ? p.w[tok(t) * K + c] : 0.f;
+      }
+    }
+  };
+  __syncthreads();
+  back_subst_col(x, Ls);
+#pragma unroll
+  for (int t = 0; t < CH; ++t) dR[t * W + tid] = x[t];
+  ld_x(0);  // (issued before the back substitution, the 8 values pushed it into spills at 128 registers)
+  if (tid >= VP) {
+#pragma unroll
+    for (int t = 0; t < CH; ++t) p.gdw[tbase + t * KP + tid - VP] = x[t];  // dR_w over dw (own column only)
+  }
+  // dL = -dR X^T, strictly lower; the thread's 4 x 4 tile accumulated in registers over the 8 slices of X
+  {
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int x0 = 0; x0 < W; x0 += 32) {
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < CH * 32 / NT; ++r) {
+        const int i = tid + r * NT;
+        Xt[(i >> 5) * TS + (i & 31)] = px[r];
+      }
+      __syncthreads();
+      if (x0 + 32 < W) ld_x(x0 + 32);
+      mma_64x64<W, 1>(acc, tid, dR + x0, Xt, 32);  // (unrolled 2 with the prefetch: spills at 128 registers)
+    }
+    const int m0 = (tid >> 4) * 4, n0 = tid & 15;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int t = m0 + i, jj = n0 + 16 * j;
+        dL[t * CH + jj] = jj < t ? -acc[i][j] : 0.f;
+      }
+  }
+  __syncthreads();
+  // dv = beta dR_u; dbeta = dR_u . v + dL . A_kk (warp per row; grad3_ch adds dRg . k)
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT / 32) {
+      float s = 0.f;
+      if (t < cp.Cc) {
+        for (int c = lane; c < V; c += 32) {
+          const float dr = dR[t * W + c];
+          s = fmaf(dr, load_in(p.v, tok(t) * V + c, p.in_dtype), s);
+          store_in(p.dv, tok(t) * V + c, p.in_dtype, beta[t] * dr);
+        }
+        for (int j = lane; j < t; j += 32) s = fmaf(dL[t * CH + j], p.akk[abase + t * CH + j], s);
+      }
+      s = warp_sum(s);
+      if (lane == 0 && t < cp.Cc) p.dbeta[tok(t)] = s;
+    }
+  }
+  __syncthreads();  // every read of akk above is done before akk is overwritten
+#pragma unroll
+  for (int k = 0; k < CH * CH / NT; ++k) {
+    const int i = tid + k * NT;
+    p.akk[abase + i] = beta[i / CH] * dL[i];  // dA_kk
+  }
+}
+
+constexpr int NT3 = 512;  // grad3_ch: 16 warps in one block per SM (the shared layout of grad2 does not fit twice)
+
+template <bool PC>
+__global__ void __launch_bounds__(NT3, 1) grad3_ch_kernel(Params p) {
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  extern __shared__ __align__(16) float sm[];
+  float* R0 = sm;                // dQG, then dq
+  float* R1 = R0 + CH * KP;      // dKend, then dk
+  float* R2 = R1 + CH * KP;      // [CH][W]: u half a, then dg; w half dR_w, then a
+  float* R3 = R2 + CH * W;       // dA_qk
+  float* R4 = R3 + CH * CH;      // dA_kk
+  float* R5 = R4 + CH * CH;      // q, k
+  float* beta = R5 + kR5;
+  float* dbeta = beta + CH;
+  float* gl = dbeta + CH;
+  float* dgl = gl + KP;
+  const int tid = threadIdx.x;
+  const int K = p.K, HV = p.HV;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  const size_t tbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+  {
+    const float4* s0 = reinterpret_cast<const float4*>(p.gdqg + tbase);
+    const float4* s1 = reinterpret_cast<const float4*>(p.gdkend + tbase);
+    float4 r0[CH * KP / 4 / NT3], r1[CH * KP / 4 / NT3];
+#pragma unroll
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      r0[r] = s0[tid + r * NT3];
+      r1[r] = s1[tid + r * NT3];
+    }
+#pragma unroll
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      reinterpret_cast<float4*>(R0)[tid + r * NT3] = r0[r];
+      reinterpret_cast<float4*>(R1)[tid + r * NT3] = r1[r];
+    }
+  }
+  {
+    const float4* s2 = reinterpret_cast<const float4*>(p.gdw + tbase);
+    const float4* s3 = reinterpret_cast<const float4*>(p.aqk + abase);
+    const float4* s4 = reinterpret_cast<const float4*>(p.akk + abase);
+    float4 r2[CH * KP / 4 / NT3], r3[CH * CH / 4 / NT3], r4[CH * CH / 4 / NT3];
+#pragma unroll
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) r2[r] = s2[tid + r * NT3];
+#pragma unroll
+    for (int r = 0; r < CH * CH / 4 / NT3; ++r) {
+      r3[r] = s3[tid + r * NT3];
+      r4[r] = s4[tid + r * NT3];
+    }
+#pragma unroll
+    for (int r = 0; r < CH * KP / 4 / NT3; ++r) {
+      const int i4 = tid + r * NT3, t = i4 / (KP / 4), c4 = (i4 % (KP / 4)) * 4;
+      *reinterpret_cast<float4*>(R2 + t * W + VP + c4) = r2[r];
+    }
+#pragma unroll
+    for (int r = 0; r < CH * CH / 4 / NT3; ++r) {
+      reinterpret_cast<float4*>(R3)[tid + r * NT3] = r3[r];
+      reinterpret_cast<float4*>(R4)[tid + r * NT3] = r4[r];
+    }
+  }
+  if (tid < KP) dgl[tid] = p.gdgl[(static_cast<size_t>(cid) * HV + hv) * KP + tid];
+  if (tid < CH) {
+    beta[tid] = tid < cp.Cc ? p.beta[tok(tid)] : 0.f;
+    dbeta[tid] = tid < cp.Cc ? p.dbeta[tok(tid)] : 0.f;
+  }
+  float* qs = R5;
+  float* ks = R5 + CH * KP;
+  {
+    auto ld_qk = [&](auto tag) {
+      using T = decltype(tag);
+      const int h = hv / (HV / p.H);
+#pragma unroll 16
+      for (int i = tid; i < CH * KP; i += NT3) {
+        const int t = i / KP, c = i % KP;
+        const bool ok = t < cp.Cc && c < K;
+        const int64_t o = ((cp.row0 + t) * p.H + h) * K + c;
+        qs[i] = ok ? ld_elem<T>(p.q, o) : 0.f;
+        ks[i] = ok ? ld_elem<T>(p.k, o) : 0.f;
+      }
+    };
+    if (p.in_dtype == kBF16) ld_qk(__nv_bfloat16{});
+    else if (p.in_dtype == kF16) ld_qk(__half{});
+    else ld_qk(0.f);
+  }
+  __syncthreads();
+  // ---- C1 pass 1 (as grad2): Gam; dq = dQG Gam; dRg = dR_w Gam (in place); a into R2's u half
+  if (tid < KP) {
+    const int c = tid;
+    float a[CH];
+#pragma unroll
+    for (int t = 0; t < CH; ++t) a[t] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    float gm = 1.f;
+#pragma unroll
+    for (int t = 0; t < CH; ++t) {
+      gm *= a[t];
+      R0[t * KP + c] *= gm;
+      R2[t * W + VP + c] *= gm;
+      R2[t * W + c] = a[t];
+    }
+    gl[c] = gm;
+  }
+  __syncthreads();
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int t = warp; t < CH; t += NT3 / 32) {
+      float s = 0.f;
+#pragma unroll
+      for (int c = lane; c < KP; c += 32) s = fmaf(R2[t * W + VP + c], ks[t * KP + c], s);
+      s = warp_sum(s);
+      if (lane == 0) dbeta[t] += s;
+    }
+  }
+  __syncthreads();
+  // ---- C1 passes 2, 3 (as grad2)
+  float* dg = R2;       // stride W
+  float* as = R2 + VP;  // stride W
+  if (tid < KP) {
+    const int c = tid;
+    float e = 1.f, run = 0.f;
+#pragma unroll 16
+    for (int t = CH - 1; t >= 0; --t) {
+      const float qt = qs[t * KP + c], kt = ks[t * KP + c], at = R2[t * W + c];
+      run += qt * R0[t * KP + c] + kt * beta[t] * R2[t * W + VP + c];
+      R2[t * W + c] = run;
+      R1[t * KP + c] *= e;
+      e *= at;
+    }
+    float pre = dgl[c] * gl[c];
+#pragma unroll 16
+    for (int t = 0; t < CH; ++t) {
+      const float kt = ks[t * KP + c];
+      R2[t * W + c] += pre;
+      pre = fmaf(kt, R1[t * KP + c], pre);
+      R1[t * KP + c] = fmaf(beta[t], R2[t * W + VP + c], R1[t * KP + c]);
+    }
+  }
+  __syncthreads();
+  {
+    float r[CH * KP / NT3];
+#pragma unroll
+    for (int k = 0; k < CH * KP / NT3; ++k) {
+      const int i = tid + k * NT3, t = i / KP, c = i % KP;
+      r[k] = (t < cp.Cc && c < K) ? expf(load_gate<PC>(p, cp.row0 + t, hv, c)) : 1.f;
+    }
+#pragma unroll
+    for (int k = 0; k < CH * KP / NT3; ++k) {
+      const int i = tid + k * NT3;
+      as[(i / KP) * W + i % KP] = r[k];
+    }
+  }
+  __syncthreads();
+  // ---- C2: the helpers of grad2 in 4 roles of 128 threads (grad2: 2 roles of 128; rows, columns and the two
+  // halves of the in-sub-block pairs are of similar cost)
+  {
+    const C2Smem m{qs, ks, as, R3, R4, R0, R1, dg};
+    const int c = tid % KP, role = tid / KP;  // 4 warps per role
+    if (role == 0) {
+      c2_rows(m, c);
+    } else if (role == 1) {
+      c2_cols(m, c);
+    } else if (role == 2) {
+      c2_intra(m, 0, c);
+      c2_intra(m, 1, c);
+    } else {
+      c2_intra(m, 2, c);
+      c2_intra(m, 3, c);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < CH * KP; i += NT3) {
+    const int t = i / KP;
+    const float dd = R3[t * CH + t];
+    R0[i] = fmaf(dd, ks[i], R0[i]);
+    R1[i] = fmaf(dd, qs[i], R1[i]);
+  }
+  __syncthreads();
+  for (int i = tid; i < cp.Cc * KP; i += NT3) {
     const int t = i / KP, c = i % KP;
     if (c < K) {
       const int64_t o = tok(t) * K + c;

@@ -78,6 +78,23 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
     p.wc = wc.data_ptr<float>(); p.kendc = kendc.data_ptr<float>(); p.qgc = qgc.data_ptr<float>();
     p.glc = glc.data_ptr<float>();
   }
+  // grad kernel: 2 = grad2 (default), 1 = v1 grad_kernel, 3 = the split grad3_vc / grad3_wy / grad3_ch (read on
+  // every call). grad3's intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and
+  // aqk / akk in place; dw is one more [chunks, HV, CH, KP] buffer.
+  const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 2);
+  at::Tensor g3w, g3q, g3k, g3l;
+  if (grad_mode == 3) {
+    g3w = at::empty({ctile}, f32);
+    p.gdw = g3w.data_ptr<float>();
+    if (v2) {
+      p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
+    } else {
+      g3q = at::empty({ctile}, f32);
+      g3k = at::empty({ctile}, f32);
+      g3l = at::empty({nc1 * s.HV * cb::KP}, f32);
+      p.gdqg = g3q.data_ptr<float>(); p.gdkend = g3k.data_ptr<float>(); p.gdgl = g3l.data_ptr<float>();
+    }
+  }
   p.dq = dq.data_ptr<float>(); p.dk = dk.data_ptr<float>(); p.dg = dg.data_ptr<float>();
   p.dbeta = dbeta.data_ptr<float>(); p.dv = dv.data_ptr(); p.dh0 = dh0.data_ptr<float>();
 
@@ -90,6 +107,8 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
   allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
+  allow_dynamic_smem(cb::grad3_wy_kernel<PC>, cb::kWySmem, /*max_carveout=*/true);  // two 105 KB blocks per SM
+  allow_dynamic_smem(cb::grad3_ch_kernel<PC>, cb::kGradSmem);
   cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int nsl = (s.V + cb::VS - 1) / cb::VS;
@@ -118,11 +137,23 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   }
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    // grad kernel: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare; read on every call)
-    if (env_int("KDA_CUDA_CHUNK_BWD_GRAD", 2) == 1)
+    // grad kernel: v2 (default), v1 (KDA_CUDA_CHUNK_BWD_GRAD=1) or the split v3 (=3); see grad_mode above
+    if (grad_mode == 1) {
       cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
-    else
+    } else if (grad_mode == 3) {
+      static_assert(cb::kVcSmem <= 48 * 1024, "grad3_vc needs no shared-memory attribute");
+      cb::grad3_vc_kernel<PC, 0><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_vc_kernel<PC, 1><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
+    } else {
       cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {dq, dk, dg, dbeta, dv, dh0};

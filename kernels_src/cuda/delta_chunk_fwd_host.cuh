@@ -84,13 +84,8 @@ template <int KP, bool MC, int BV>
 void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
   using S = Scan3Smem<KP, BV>;
   auto kern = delta_chunk_scan3_kernel<KP, MC, BV>;
-  static bool configured = false;  // once per instantiation
-  if (!configured) {
-    TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::bytes)));
-    configured = true;
-  }
+  TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
+  allow_dynamic_smem(kern, S::bytes);
   const unsigned cs = static_cast<unsigned>((p.V + BV - 1) / BV);
   TORCH_CHECK(cs >= 1 && cs <= static_cast<unsigned>(kScan3MaxCluster), "scan3: V too large for one cluster");
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan3: workspace slices must be 16-byte aligned");

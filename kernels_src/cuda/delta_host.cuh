@@ -42,7 +42,7 @@ inline int env_int(const char* name, int dflt) {
 // recurrent backward's size depends on its block shape): a process that runs the ops on two GPUs gets it on both,
 // and repeated launches pay a map lookup instead of a driver call.
 template <typename Kernel>
-inline void allow_dynamic_smem(Kernel* kern, size_t bytes) {
+inline void allow_dynamic_smem(Kernel* kern, size_t bytes, bool max_carveout = false) {
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, size_t> allowed;
   int dev = 0;
@@ -51,6 +51,10 @@ inline void allow_dynamic_smem(Kernel* kern, size_t bytes) {
   size_t& have = allowed[{reinterpret_cast<const void*>(kern), dev}];
   if (have >= bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  // max_carveout: several large blocks per SM need the largest shared-memory carveout, not the driver's choice
+  if (max_carveout)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   have = bytes;
 }
 
