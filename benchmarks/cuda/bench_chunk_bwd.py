@@ -9,6 +9,9 @@ state) against random cotangents (so .grad never accumulates); timed eager (trit
 graphs where capture works. Also: our backward core op alone (kda_chunk_bwd / gdn_chunk_bwd), and the peak of
 torch.cuda.max_memory_allocated above the inputs over one fwd+bwd. fla's refusals (GDN backward on Hopper with
 Triton 3.6) are recorded as they are raised.
+
+    BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GRAD=3" python3 benchmarks/cuda/bench_chunk_bwd.py
+adds rows "ours[KNOB=VAL,...]" (each ;-separated variant's knobs set while it is timed) beside the defaults.
 """
 import json
 import os
@@ -116,11 +119,16 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
             scale = K ** -0.5
             impls = []
             if phase == "ours":
-                impls.append(("ours", kk.chunk_kda if kda else kk.chunk_gated_delta_rule))
+                for variant in [""] + [x for x in os.environ.get("BENCH_OURS_VARIANTS", "").split(";") if x]:
+                    impls.append((f"ours[{variant}]" if variant else "ours",
+                                  kk.chunk_kda if kda else kk.chunk_gated_delta_rule))
             elif fla_kda is not None:
                 impls.append(("fla_0.6.0", fla_kda if kda else fla_gdn))
             for impl, fn in impls:
                 shape = dict(B=B, T=T, H=H, HV=HV, K=K, V=V)
+                knobs = dict(kv.split("=") for kv in impl[5:-1].split(",")) if impl.startswith("ours[") else {}
+                saved = {kn: os.environ.get(kn) for kn in knobs}
+                os.environ.update(knobs)  # the host code reads the knobs at every call
 
                 def fwd():
                     with torch.no_grad():
@@ -141,6 +149,11 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                 except Exception as ex:  # noqa: BLE001
                     torch.cuda.synchronize()
                     rec(name=f"{fam}_chunk_fwdbwd", impl=impl, **shape, error=repr(ex)[:400])
+                for kn, val in saved.items():
+                    if val is None:
+                        os.environ.pop(kn, None)
+                    else:
+                        os.environ[kn] = val
                 torch.cuda.empty_cache()
             # our backward core op alone (what chunk_*'s autograd backward calls)
             with torch.no_grad():
@@ -158,7 +171,7 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                     e, _, _ = timed(lambda: rop(q, k, v, g, beta, scale, None, None, do, dht), graphs=False)
                     rec(name=f"{fam}_recurrent_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V,
                         eager_ms=round(e, 4))
-            del xs, do, dht
+            xs = do = dht = None  # free before the next shape (closures above hold the names, not the values)
             torch.cuda.empty_cache()
 
 
