@@ -9,12 +9,15 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
 with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
-(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is the single kernel
-delta_chunk_scan_kernel by default (every test above runs it); KDA_CUDA_CHUNK_SCAN=2 splits it (sequential
+(kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is the bulk-prefetch kernel
+delta_chunk_scan3_kernel without a cluster (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16 (every
+bf16/fp16 test above runs it; fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
+delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
+pre-Hopper GPUs) against the float64 reference. KDA_CUDA_CHUNK_SCAN=2 splits the single kernel (sequential
 delta_chunk_state_kernel + parallel delta_chunk_out_kernel): test_chunk_fwd_split_scan (float64 reference),
 test_chunk_scan_split_vs_old (both in one process) and test_chunk_fwd_scan_bv32 (32-column state kernel) cover it.
-KDA_CUDA_CHUNK_SCAN=3 runs the cluster scan delta_chunk_scan3_kernel (bf16 workspace, V <= 256; elsewhere the single
-kernel), 4 the same kernel without the cluster: test_chunk_fwd_scan3 (float64 reference), test_chunk_scan3_vs_single
+KDA_CUDA_CHUNK_SCAN=3 runs delta_chunk_scan3_kernel with clusters (bf16 workspace, V <= 256; elsewhere the single
+kernel), 4 (default) without: test_chunk_fwd_scan3 (float64 reference), test_chunk_scan3_vs_single
 (against the single kernel, and 3 against 4 bit for bit) and the CUDA-graph replay cover them.
 """
 import importlib.util
@@ -226,6 +229,19 @@ def test_chunk_fwd_split_scan(family, case, dtype, monkeypatch):
     run_case(family, case, dtype, h0_on=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T65", "T200", "T2048", "correlated_keys", "extreme_gates", "gva_4x", "kv64", "odd_kv",
+                                  "wide_v", "v200", "odd_v", "varlen", "varlen_extreme"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_single_scan(family, case, dtype, monkeypatch):
+    """The single scan kernel (KDA_CUDA_CHUNK_SCAN=1; the default only for fp32 workspaces and pre-Hopper GPUs)
+    with the bf16 workspace against the float64 reference."""
+    if dtype == torch.float16 and case not in ("extreme_gates", "varlen"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1")
+    run_case(family, case, dtype, h0_on=True)
+
+
 @pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
 @pytest.mark.parametrize("case", ["T200", "T2048", "extreme_gates", "varlen", "odd_kv", "v200", "odd_v", "kv64"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
@@ -244,7 +260,7 @@ def test_chunk_fwd_scan_bv32(family, case, ws, monkeypatch):
                                   "odd_v", "varlen", "varlen_extreme"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
-    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the single scan kernel (1, default) in one process, same prep:
+    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the single scan kernel (1) in one process, same prep:
     the recurrence is the same math in another summation order; o differs by the bf16 rounding of the stored
     chunk-start states (bf16/fp16 inputs with the bf16 workspace) and by o's own rounding."""
     if dtype == torch.float32 and ws == "ws_fp32":
@@ -292,7 +308,7 @@ def test_chunk_fwd_scan3(family, case, dtype, mode, bv, monkeypatch):
                                   "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
-    """The cluster scan (3) and its cluster-less twin (4) against the single scan kernel (1, default) in one process,
+    """The cluster scan (3) and its cluster-less twin (4) against the single scan kernel (1) in one process,
     same prep and bf16 workspace: the same tf32 products in another fp32 summation order (two chains), so o agrees
     up to its own rounding and the final state to ~1e-6; 3 and 4 run the same arithmetic and agree bit for bit."""
     spec = dict(CASES[case])

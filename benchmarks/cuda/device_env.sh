@@ -6,7 +6,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kda_out}; mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-WHL=${WHL:-.whl}
+# (a copy of a branch under .dev/NAME finds the repository root's .whl two levels up)
+if [ -z "${WHL:-}" ]; then WHL=.whl; [ -d .whl ] || { [ -d ../../.whl ] && WHL=../../.whl; }; fi
 if ls $WHL/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl \
     && export PYTHONPATH=/tmp/site

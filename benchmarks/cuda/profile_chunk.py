@@ -57,14 +57,14 @@ def main():
     ap.add_argument("--scan-split", action="store_true",
                     help="also time the forward with the split scan (KDA_CUDA_CHUNK_SCAN=2) as fwd_scan_split")
     ap.add_argument("--scans", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (2 split, 3 cluster scan, 4 scan3 without "
-                         "cluster) to also time the forward with, each as fwd_scanN")
+                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (1 single kernel, 2 split, 3 cluster scan, 4 "
+                         "scan3 without cluster, the default) to also time the forward with, each as fwd_scanN")
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
-    ap.add_argument("--bwd-grad3", action="store_true",
-                    help="also time the backward with the split grad kernels (KDA_CUDA_CHUNK_BWD_GRAD=3: grad3_vc, "
-                         "grad3_wy, grad3_ch) as bwd_grad3")
+    ap.add_argument("--bwd-grad2", action="store_true",
+                    help="also time the backward with the single grad2 kernel (KDA_CUDA_CHUNK_BWD_GRAD=2; the default "
+                         "is the split grad3) as bwd_grad2")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -86,7 +86,7 @@ def main():
                   (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
                    {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
-                  (args.bwd_grad3, "bwd", "bwd_grad3", {"KDA_CUDA_CHUNK_BWD_GRAD": "3"})]
+                  (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"})]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 saved = {kn: os.environ.get(kn) for kn in knobs}

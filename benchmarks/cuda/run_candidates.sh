@@ -12,6 +12,8 @@
 #      as CALL_S allows (one JSON line per row: a cut-short run keeps its rows).
 # Everything but build.log is packed into $OUT/results.tgz at the end (written outside $OUT first).
 #   cd .dev/NAME && CALL_S=560 bash benchmarks/cuda/run_candidates.sh
+# (Run once in session 5 before grad3 and scan 4 became the defaults, with --bwd-grad3 where it now says
+# --bwd-grad2; fla was missing from that run: the copy under .dev did not find the root's .whl, now it does.)
 source "$(dirname "$0")/device_env.sh"
 CALL_S=${CALL_S:-560}
 left() { echo $(( CALL_S - 15 - SECONDS )); }
@@ -40,7 +42,7 @@ grep -E "passed|failed|error|FAILED|ERROR" "$OUT/tests_grad3_forced.log" | tail 
 echo "tests done at ${SECONDS}s"
 
 if [ $SCAN3_OK = 1 ]; then SC="--scans 3,4"; else SC=""; fi
-KDA_CUDA_SCAN3_DEBUG=1 $T 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd,bwd $SC --bwd-grad3 \
+KDA_CUDA_SCAN3_DEBUG=1 $T 60 python3 benchmarks/cuda/profile_chunk.py --phases fwd,bwd $SC --bwd-grad2 \
   > "$OUT/kernel_times.json" 2> "$OUT/kernel_times.err"
 grep "\[scan3\]" "$OUT/kernel_times.err"
 if [ $SCAN3_OK = 1 ]; then

@@ -20,8 +20,8 @@
 //   grad         per chunk, all chunks in parallel: the V contractions (dQG, dKend, dw, dA_qk, dGam_last),
 //                the WY backward (back substitution with (I + L)^T), dv, dbeta, and the gate gradient formed
 //                directly (each dg_i sums only terms whose decay factor contains a_i: no cancelling +/- pairs)
-//                (grad2_kernel, the default, is the latency-restructured version, see "grad v2" below; grad_kernel
-//                is v1, KDA_CUDA_CHUNK_BWD_GRAD=1)
+//                (the default is grad v3 below, three kernels with small footprints; grad2_kernel, the
+//                latency-restructured single kernel, KDA_CUDA_CHUNK_BWD_GRAD=2; grad_kernel is v1, =1)
 // K <= 128 and V <= 128 (the host routes larger heads to the recurrent backward).
 #pragma once
 
@@ -1622,7 +1622,7 @@ __global__ void __launch_bounds__(NT, 1) grad2_kernel(Params p) {
 
 // ------------------------------------------------------------------------------------------------ grad v3
 // grad2_kernel split into three kernels with small footprints so that several blocks share an SM (grad2: one
-// 231 KB block of 8 warps per SM, 255 registers, latency bound). KDA_CUDA_CHUNK_BWD_GRAD=3 selects it. Same
+// 231 KB block of 8 warps per SM, 255 registers, latency bound). The default (KDA_CUDA_CHUNK_BWD_GRAD=2: grad2). Same
 // quantities, same order of every sum that is not a plain contraction, same exactness rules (fp32, every decay
 // factor a running product of a_i <= 1, dg formed directly):
 //   grad3_vc  (3 launches of chunks x HV blocks, 42 KB, 128 registers): the contractions over V, one output per Z,

@@ -15,13 +15,15 @@
 // as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
-// Split scan (KDA_CUDA_CHUNK_SCAN=2; the default is kernel 2, measured 7 % faster on the H200 in session 4):
+// Split scan (KDA_CUDA_CHUNK_SCAN=2; measured 7 % slower than kernel 2 on the H200 in session 4):
 // kernel 2a (delta_chunk_state_kernel) walks
 // the chunks as kernel 2 but computes only U = u0 - w h and h <- e^{G_last} h + k~^T U, storing the chunk-start
 // state h_c (p.hc) and U (over u0 in the workspace); kernel 2b (delta_chunk_out_kernel), one block per (chunk,
 // value head, 64 columns), fully parallel: o = q~ h_c + A~ U.
-// Cluster scan (KDA_CUDA_CHUNK_SCAN=3; delta_chunk_scan3_kernel): kernel 2 with the 32-column blocks of a head in
-// one thread-block cluster sharing each chunk's w / q~ / k~^T / A~ through a TMA multicast into shared memory.
+// Bulk-prefetch scan (delta_chunk_scan3_kernel; the default, KDA_CUDA_CHUNK_SCAN=4, where the workspace is bf16 and
+// the GPU sm_90+): kernel 2 with each chunk's w / q~ / k~^T / A~ brought into double-buffered shared memory by one
+// bulk copy ahead of use. KDA_CUDA_CHUNK_SCAN=3: the 32-column blocks of a head in one thread-block cluster share
+// that copy through a TMA multicast (slower: fewer clusters than blocks fit at once).
 #pragma once
 
 #include "delta_common.cuh"
@@ -1243,7 +1245,7 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 #endif  // __CUDA_ARCH__ >= 900
 
-// MC false (KDA_CUDA_CHUNK_SCAN=4, an experiment): no cluster; each block copies the whole region into its own
+// MC false (KDA_CUDA_CHUNK_SCAN=4, the default): no cluster; each block copies the whole region into its own
 // shared memory (the same double-buffered bulk prefetch, the L2 reads of the single kernel at 32 columns).
 template <int KP, bool MC, int BV>
 __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(const ChunkFwdParams p) {

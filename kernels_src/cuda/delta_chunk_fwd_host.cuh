@@ -4,14 +4,16 @@
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
 // as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
-// The scan is the single kernel delta_chunk_scan_kernel by default; KDA_CUDA_CHUNK_SCAN=2 splits it into a
+// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 (default) the bulk-prefetch scan delta_chunk_scan3_kernel
+// without a cluster where it applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms
+// against the single kernel's 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1, the single kernel
+// delta_chunk_scan_kernel; KDA_CUDA_CHUNK_SCAN=2 splits it into a
 // sequential state kernel and a parallel output kernel (measured on the H200 in session 4: 0.60 ms against the
 // single kernel's 0.56 at B1 T8192 H16 HV32, so not the default); the chunk-start states the split passes between
 // its kernels take K*V*2 bytes per (chunk, head) (bf16; fp32 inputs or KDA_CUDA_CHUNK_WS_BF16=0: 4 bytes).
-// KDA_CUDA_CHUNK_SCAN=3 runs the cluster scan delta_chunk_scan3_kernel (32-column blocks of a head in one cluster,
-// each chunk's shared operands multicast into shared memory) where it applies: bf16 workspace (bf16/fp16 inputs,
-// KDA_CUDA_CHUNK_WS_BF16 not 0), V <= 256 and an sm_90+ GPU; elsewhere the single kernel. KDA_CUDA_CHUNK_SCAN=4: the
-// same kernel without the cluster (an experiment: the bulk prefetch alone, no sharing).
+// KDA_CUDA_CHUNK_SCAN=3 runs the same kernel with the 32-column blocks of a head in one cluster, each chunk's
+// shared operands multicast into shared memory (same conditions; measured 1.08 ms: only 30 of the 32 four-block
+// clusters fit at once, so the grid runs in two waves).
 #pragma once
 
 #include "delta_chunk_fwd.cuh"
@@ -78,7 +80,7 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
 // Cluster scan: grid (sequence, head, ceil(V / BV)), the whole grid z one cluster; 8 warps, ~175 KB (BV 32) /
 // ~199 KB (BV 64) of dynamic shared memory at KP = 128 (two copies of the chunk's shared workspace region), one
 // block per SM.
-// MC false (KDA_CUDA_CHUNK_SCAN=4, experiment): the same kernel without the cluster (each block copies the whole
+// MC false (KDA_CUDA_CHUNK_SCAN=4, the default): the same kernel without the cluster (each block copies the whole
 // region itself).
 template <int KP, bool MC, int BV>
 void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
@@ -245,11 +247,11 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(max_chunks < (1LL << 31), "[", op, "] too many chunks");
   at::Tensor ws = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
   p.ws = ws.data_ptr<float>();
-  // Split scan (KDA_CUDA_CHUNK_SCAN=2, read at every call; default 1: the single scan kernel): the chunk-start
+  // Split scan (KDA_CUDA_CHUNK_SCAN=2, read at every call; see the top of this file for 1, 3, 4): the chunk-start
   // states, K x V per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
   at::Tensor hc;
-  const int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 1);
-  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster (experiment)
+  const int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 4);
+  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster (the default)
   if (scan_mode == 2) {
     hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
                    q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
