@@ -10,8 +10,8 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
 with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
 (kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is the bulk-prefetch kernel
-delta_chunk_scan3_kernel without a cluster (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16 (every
-bf16/fp16 test above runs it; fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
+delta_chunk_scan3_kernel without a cluster (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16 and its
+blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls, fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
 delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
 pre-Hopper GPUs) against the float64 reference. KDA_CUDA_CHUNK_SCAN=2 splits the single kernel (sequential
 delta_chunk_state_kernel + parallel delta_chunk_out_kernel): test_chunk_fwd_split_scan (float64 reference),

@@ -4,10 +4,11 @@
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
 // as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
-// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 (default) the bulk-prefetch scan delta_chunk_scan3_kernel
-// without a cluster where it applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms
-// against the single kernel's 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1, the single kernel
-// delta_chunk_scan_kernel; KDA_CUDA_CHUNK_SCAN=2 splits it into a
+// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel without a
+// cluster where it applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the
+// single kernel's 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1, the single kernel delta_chunk_scan_kernel;
+// unset: 4 when its (sequence, head, 32 columns) blocks fit on the SMs at once, else 1 (see chunk_fwd below);
+// KDA_CUDA_CHUNK_SCAN=2 splits the single kernel into a
 // sequential state kernel and a parallel output kernel (measured on the H200 in session 4: 0.60 ms against the
 // single kernel's 0.56 at B1 T8192 H16 HV32, so not the default); the chunk-start states the split passes between
 // its kernels take K*V*2 bytes per (chunk, head) (bf16; fp32 inputs or KDA_CUDA_CHUNK_WS_BF16=0: 4 bytes).
@@ -250,8 +251,12 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   // Split scan (KDA_CUDA_CHUNK_SCAN=2, read at every call; see the top of this file for 1, 3, 4): the chunk-start
   // states, K x V per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
   at::Tensor hc;
-  const int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 4);
-  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster (the default)
+  // Unset: the bulk-prefetch scan (4) when its blocks, one per SM, fit in one wave; else the single kernel, two
+  // blocks per SM (measured at B4 T4096 H=HV=32, 512 blocks: 2.43 ms single vs 2.52 ms bulk for the KDA forward).
+  int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
+  if (scan_mode == 0)
+    scan_mode = static_cast<int64_t>(s.N) * s.HV * ((s.V + 31) / 32) <= num_sms() ? 4 : 1;
+  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster
   if (scan_mode == 2) {
     hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
                    q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
