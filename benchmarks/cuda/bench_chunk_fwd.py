@@ -184,7 +184,7 @@ def main():
                 if og:
                     row["ours_ns_per_token_graph"] = round(og * 1e6 / (B * T), 3)
             rec(**row)
-            del q, k, v, g, beta
+            q = k = v = g = beta = None  # free before the next row (the lambdas above hold names, not values)
             torch.cuda.empty_cache()
     report(gpu, fla_ver, RES)
 
@@ -193,10 +193,14 @@ def main():
 def report(gpu, fla_ver, res):
     """Table on stdout, JSON and PNG under OUT."""
     print(f"\nGPU: {gpu}")
-    print(f"{'shape':28s} {'fam':4s} {'fla eager':>10s} {'fla graph':>10s} {'ours eager':>10s} {'ours graph':>10s}"
+    def label(r):  # family, then the prep / scan knob values the row was timed with, if any
+        knobs = r.get("gdn_prep", r.get("kda_prep", ""))
+        return r["family"] + knobs + (f" scan{r['chunk_scan']}" if "chunk_scan" in r else "")
+
+    print(f"{'shape':28s} {'fam':10s} {'fla eager':>10s} {'fla graph':>10s} {'ours eager':>10s} {'ours graph':>10s}"
           f" {'x fla (graph)':>13s} {'x fla (eager)':>13s}")
     for r in res:
-        print(f"{r['shape']:28s} {r['family'] + r.get('gdn_prep', r.get('kda_prep', '')):4s} {r.get('fla_eager_ms', float('nan')):10.4f} "
+        print(f"{r['shape']:28s} {label(r):10s} {r.get('fla_eager_ms', float('nan')):10.4f} "
               f"{r.get('fla_graph_ms') or float('nan'):10.4f} {r['ours_eager_ms']:10.4f} "
               f"{r['ours_graph_ms'] or float('nan'):10.4f} {r.get('ratio_graph', float('nan')):13.3f} "
               f"{r.get('ratio_eager', float('nan')):13.3f}")
@@ -216,7 +220,8 @@ def report(gpu, fla_ver, res):
                                             ("ours_eager_ms", "ours eager"), ("ours_graph_ms", "ours graphs"))):
                 ax.bar([x + (i - 1.5) * w for x in xs], [r.get(key) or 0 for r in rows], w, label=lab)
             ax.set_xticks(list(xs))
-            ax.set_xticklabels([r["shape"].replace("_", "\n", 1) for r in rows], fontsize=7)
+            ax.set_xticklabels([r["shape"].replace("_", "\n", 1) + ("\nscan " + r["chunk_scan"] if "chunk_scan" in r
+                                else "") for r in rows], fontsize=7)
             ax.set_ylabel("ms")
             ax.set_title(f"{fam.upper()} chunked forward, bf16, K=V=128 ({gpu})", fontsize=9)
             ax.legend(fontsize=7)
