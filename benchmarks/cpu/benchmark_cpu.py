@@ -17,7 +17,9 @@ the serving op (`{kda,gdn}_recurrent_serve`, in place on a state pool: the like-
 and the public fused_recurrent_* with ssm_state_indices (which adds the Python API's argument checks).
 Cases: decode (T=1) and prefill T=512 and T=4096, forward and forward+backward where the peer has one, on 1 and
 2 threads (torch.set_num_threads). Times are the minimum wall-clock over repetitions (a shared machine only
-ever adds time), reported per token. A peer whose estimated call time exceeds --max-call-s is not run, and
+ever adds time), reported per token, taken over --rounds rounds that time every implementation (ExecuTorch
+included, from a long-lived worker process) and both thread counts back to back, so the host's drift over the run
+does not enter the ratios. A peer whose estimated call time exceeds --max-call-s is not run, and
 the table says so. Results: benchmarks/results/cpu_<tag>.json and cpu_<tag>.png.
 """
 import argparse
@@ -201,17 +203,38 @@ def impls(family, ours, uni):
     }
 
 
-def run_executorch(cases, min_time_s):
-    py = ET_VENV / "bin" / "python"
-    if not py.exists():
-        return None, f"ExecuTorch venv missing ({ET_VENV}); run with --setup-executorch"
-    res = subprocess.run([str(py), str(ROOT / "benchmarks" / "cpu" / "executorch_worker.py"),
-                          json.dumps([dict(c, H=H, K=K, V=V, min_time_s=min_time_s) for c in cases])],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        return None, f"ExecuTorch worker failed: {res.stderr[-2000:]}"
-    last = [ln for ln in res.stdout.splitlines() if ln.startswith("[")][-1]
-    return json.loads(last), ""
+class ExecuTorchWorker:
+    """benchmarks/cpu/executorch_worker.py --serve in .venv-executorch, kept for the whole run: each time() call
+    sends one case and reads its result, so ExecuTorch is timed in the same rounds as ours."""
+
+    def __init__(self):
+        py = ET_VENV / "bin" / "python"
+        self.err = "" if py.exists() else f"ExecuTorch venv missing ({ET_VENV}); run with --setup-executorch"
+        self.proc = None
+        if not self.err:
+            self.proc = subprocess.Popen([str(py), str(ROOT / "benchmarks" / "cpu" / "executorch_worker.py"),
+                                          "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+
+    def time(self, family, T, threads, min_time_s):
+        """us per token, or None (self.err says why)."""
+        if self.proc is None:
+            return None
+        try:
+            self.proc.stdin.write(json.dumps(dict(family=family, T=T, threads=threads, H=H, K=K, V=V,
+                                                  min_time_s=min_time_s)) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            return json.loads(line)["us_per_token"]
+        except (OSError, ValueError, KeyError) as e:
+            self.err = f"ExecuTorch worker failed: {e!r}"
+            self.proc = None
+            return None
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -224,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--families", default="kda,gdn")
     ap.add_argument("--tag", default="latest")
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build", help="where the built variants are")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds per case; each times every implementation and thread count back to back")
     args = ap.parse_args(argv)
     if args.setup_executorch:
         setup_executorch()
@@ -240,46 +265,60 @@ def main(argv=None):
     threads = [int(t) for t in args.threads.split(",")]
     families = args.families.split(",")
     rows = []
-    # ExecuTorch first, in its own process (forward only)
-    et_cases = [dict(family=f, T=T, threads=n) for f in families for n in threads
-                for T in lengths["decode"] + lengths["prefill"]]
-    et, et_err = run_executorch(et_cases, min_time)
-    for c in (et or []):
-        mode = "decode" if c["T"] == 1 else "prefill"
-        rows.append(dict(family=c["family"], mode=mode, T=c["T"], threads=c["threads"], impl="executorch",
-                         us_per_token=c["us_per_token"], note=""))
-    if et is None:
-        print(f"[bench] {et_err}", flush=True)
-        for c in et_cases:
-            rows.append(dict(c, mode="decode" if c["T"] == 1 else "prefill", impl="executorch", us_per_token=None,
-                             note=et_err[:200]))
+    et = ExecuTorchWorker()
+    if et.err:
+        print(f"[bench] {et.err}", flush=True)
+    # Each case (family, mode, T) runs ROUNDS rounds; a round times every implementation at every thread count
+    # back to back (ExecuTorch in its own long-lived process), and each keeps its fastest round. This machine's
+    # speed drifts by tens of percent over minutes (a shared host: the same call measured 88 and 124 us/token a
+    # minute apart), so timing ours and a peer, or 1 and 2 threads, in separate phases of the run would put that
+    # drift into the ratios. Calls slower than 1 s run in the first round only.
     for family in families:
         table = impls(family, ours, uni)
-        for n in threads:
-            torch.set_num_threads(n)
-            for mode, Ts in lengths.items():
-                per_token_512 = {}
-                for T in Ts:
-                    for name, modes in table.items():
-                        if mode not in modes:
-                            continue
-                        est = per_token_512.get(name)
-                        if est is not None and est * T * 1e-6 > args.max_call_s:
-                            note = (f"not run: estimated {est * T * 1e-6:.0f} s per call "
-                                    f"({est / 1e3:.1f} ms/token at T=512) > --max-call-s {args.max_call_s:.0f}")
+        per_token_512 = {}
+        for mode, Ts in lengths.items():
+            for T in Ts:
+                best, thunks = {}, {}
+                for name, modes in table.items():
+                    if mode not in modes:
+                        continue
+                    est = per_token_512.get((name, mode))
+                    if est is not None and est * T * 1e-6 > args.max_call_s:
+                        note = (f"not run: estimated {est * T * 1e-6:.0f} s per call "
+                                f"({est / 1e3:.1f} ms/token at T=512) > --max-call-s {args.max_call_s:.0f}")
+                        for n in threads:
                             rows.append(dict(family=family, mode=mode, T=T, threads=n, impl=name,
                                              us_per_token=None, note=note))
-                            print(f"  {family:3s} {mode:8s} T={T:5d} thr={n} {name:16s} {note}", flush=True)
-                            continue
-                        thunk = modes[mode](T)
-                        t = bench(thunk, min_time)
-                        del thunk
-                        us = t / T * 1e6
-                        if T == 512:
-                            per_token_512[name] = us
+                        print(f"  {family:3s} {mode:8s} T={T:5d} {name:16s} {note}", flush=True)
+                        continue
+                    thunks[name] = modes[mode](T)
+                peers_here = list(thunks) + (["executorch"] if mode != "fwd+bwd" else [])
+                for rnd in range(args.rounds):
+                    for n in threads:
+                        torch.set_num_threads(n)
+                        for name in peers_here:
+                            if rnd > 0 and best.get((name, n), 0.0) * T * 1e-6 > 1.0:
+                                continue  # a slow peer: one round
+                            if name == "executorch":
+                                us = et.time(family, T, n, min_time / args.rounds)
+                                if us is None:
+                                    continue
+                            else:
+                                us = bench(thunks[name], min_time / args.rounds) / T * 1e6
+                            best[(name, n)] = min(us, best.get((name, n), float("inf")))
+                del thunks
+                for name in peers_here:
+                    for n in threads:
+                        us = best.get((name, n))
+                        note = "" if us is not None else et.err[:200]
+                        if us is not None and T == 512 and n == threads[0]:
+                            per_token_512[(name, mode)] = us
                         rows.append(dict(family=family, mode=mode, T=T, threads=n, impl=name, us_per_token=us,
-                                         note=""))
-                        print(f"  {family:3s} {mode:8s} T={T:5d} thr={n} {name:16s} {us:10.1f} us/token", flush=True)
+                                         note=note))
+                        if us is not None:
+                            print(f"  {family:3s} {mode:8s} T={T:5d} thr={n} {name:16s} {us:10.1f} us/token",
+                                  flush=True)
+    et.close()
     info["loadavg_end"] = os.getloadavg()
     report(rows, info, args.tag)
     return 0
