@@ -572,11 +572,12 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         chunk_fwd_core<PC>(b, Cp, sc, S, b.o, pf);
         for (int64_t i = 0; i < Cc; ++i) {
           const int64_t row = s.b * d.T + s.start + c0 + i;
-          store_row(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
+          store_row_stream(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
         }
       }
       state_out(S, Kp, Vp, fp + item * KV, K, V);
     }
+    stream_fence();
   });
 }
 
@@ -803,11 +804,11 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         std::swap(dS, dS0);
         for (int64_t i = 0; i < Cc; ++i) {
           const int64_t row = s.b * d.T + s.start + c0 + i;
-          std::memcpy(dqp + (row * d.HV + hv) * K, b.dq + i * Kp, K * sizeof(float));
-          std::memcpy(dkp + (row * d.HV + hv) * K, b.dkp + i * Kp, K * sizeof(float));
-          store_row(dvp + (row * d.HV + hv) * V, dvb + i * Vp, V);
+          store_row_stream(dqp + (row * d.HV + hv) * K, b.dq + i * Kp, K);
+          store_row_stream(dkp + (row * d.HV + hv) * K, b.dkp + i * Kp, K);
+          store_row_stream(dvp + (row * d.HV + hv) * V, dvb + i * Vp, V);
           if (PC) {
-            std::memcpy(dgp + (row * d.HV + hv) * K, dgb + i * Kp, K * sizeof(float));
+            store_row_stream(dgp + (row * d.HV + hv) * K, dgb + i * Kp, K);
           } else {
             float acc = 0.f;
             for (int64_t c2 = 0; c2 < K; ++c2) acc += dgb[i * Kp + c2];
@@ -818,6 +819,7 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       }
       state_out(dS, Kp, Vp, dh0p + item * KV, K, V);
     }
+    stream_fence();
   });
 }
 
