@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench_chunk_fwd import mk as mk_inputs
-from cuda_variant import load_cuda_variant
+from cuda_variant import knobs_set, load_cuda_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
@@ -117,18 +117,16 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
             do = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
             dht = torch.randn(N, HV, K, V, device=DEV)
             scale = K ** -0.5
-            impls = []
+            impls = []  # (name, function, host knobs set while it is timed)
             if phase == "ours":
                 for variant in [""] + [x for x in os.environ.get("BENCH_OURS_VARIANTS", "").split(";") if x]:
                     impls.append((f"ours[{variant}]" if variant else "ours",
-                                  kk.chunk_kda if kda else kk.chunk_gated_delta_rule))
+                                  kk.chunk_kda if kda else kk.chunk_gated_delta_rule,
+                                  dict(kv.split("=") for kv in variant.split(",")) if variant else {}))
             elif fla_kda is not None:
-                impls.append(("fla_0.6.0", fla_kda if kda else fla_gdn))
-            for impl, fn in impls:
+                impls.append(("fla_0.6.0", fla_kda if kda else fla_gdn, {}))
+            for impl, fn, knobs in impls:
                 shape = dict(B=B, T=T, H=H, HV=HV, K=K, V=V)
-                knobs = dict(kv.split("=") for kv in impl[5:-1].split(",")) if impl.startswith("ours[") else {}
-                saved = {kn: os.environ.get(kn) for kn in knobs}
-                os.environ.update(knobs)  # the host code reads the knobs at every call
 
                 def fwd():
                     with torch.no_grad():
@@ -139,9 +137,10 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                     return torch.autograd.grad((o, s), xs, (do, dht))
 
                 try:
-                    ef, gf, _ = timed(fwd)
-                    e, gr, why = timed(fwdbwd)
-                    mem = peak_above(fwdbwd)
+                    with knobs_set(knobs):
+                        ef, gf, _ = timed(fwd)
+                        e, gr, why = timed(fwdbwd)
+                        mem = peak_above(fwdbwd)
                     rec(name=f"{fam}_chunk_fwdbwd", impl=impl, **shape, fwd_eager_ms=round(ef, 4),
                         fwd_graph_ms=None if gf is None else round(gf, 4), eager_ms=round(e, 4),
                         graph_ms=None if gr is None else round(gr, 4), graph_error=why,
@@ -149,11 +148,6 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                 except Exception as ex:  # noqa: BLE001
                     torch.cuda.synchronize()
                     rec(name=f"{fam}_chunk_fwdbwd", impl=impl, **shape, error=repr(ex)[:400])
-                for kn, val in saved.items():
-                    if val is None:
-                        os.environ.pop(kn, None)
-                    else:
-                        os.environ[kn] = val
                 torch.cuda.empty_cache()
             # our backward core op alone (what chunk_*'s autograd backward calls)
             with torch.no_grad():

@@ -1,5 +1,8 @@
-"""Load this repo's built variants without the kernels library (the GPU machine lacks it) for the benchmarks."""
+"""Load this repo's built variants without the kernels library (the GPU machine lacks it) for the benchmarks, and
+set the CUDA host code's knobs around a measurement."""
+import contextlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -26,3 +29,19 @@ def load_cuda_variant(module_name="kda_cuda_bench"):
     mod = load_variant_dir(path, module_name)
     assert mod.BACKEND == "cuda" and mod.NATIVE, f"{path}: not a CUDA build with its native library loaded"
     return mod
+
+
+@contextlib.contextmanager
+def knobs_set(knobs):
+    """Sets the environment variables `knobs` (name -> value; the CUDA host code reads them at every call) for the
+    body, then restores what was there before."""
+    saved = {kn: os.environ.get(kn) for kn in knobs}
+    os.environ.update(knobs)
+    try:
+        yield
+    finally:
+        for kn, val in saved.items():
+            if val is None:
+                os.environ.pop(kn, None)
+            else:
+                os.environ[kn] = val

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_chunk_fwd import mk  # noqa: E402
-from cuda_variant import load_cuda_variant  # noqa: E402
+from cuda_variant import knobs_set, load_cuda_variant  # noqa: E402
 
 
 def inputs(family, B, T, H, HV, K, V):
@@ -89,14 +89,8 @@ def main():
                   (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"})]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
-                saved = {kn: os.environ.get(kn) for kn in knobs}
-                os.environ.update(knobs)
-                res[family][name] = kernel_times(fns[phase])
-                for kn, val in saved.items():
-                    if val is None:
-                        del os.environ[kn]
-                    else:
-                        os.environ[kn] = val
+                with knobs_set(knobs):
+                    res[family][name] = kernel_times(fns[phase])
     print(json.dumps(res, indent=1))
 
 
