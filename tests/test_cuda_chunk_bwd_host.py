@@ -14,20 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: the host check compiles with nvcc")
-def test_grad2_c2_helpers_match_float64(tmp_path):
-    exe = tmp_path / "check_grad2_c2"
+@pytest.mark.parametrize("check", ["check_grad2_c2", "check_grad3_mma"])
+def test_grad_helpers_match_float64(check, tmp_path):
+    # check_grad2_c2: grad2's C2 helpers; check_grad3_mma: grad3's tile helpers, element by element
+    exe = tmp_path / check
     subprocess.run(["nvcc", "-std=c++17", "-O2", "-x", "cu", f"-I{ROOT / 'kernels_src' / 'cuda'}",
-                    str(ROOT / "tests" / "cuda_host" / "check_grad2_c2.cu"), "-o", str(exe)], check=True)
-    r = subprocess.run([str(exe)], capture_output=True, text=True)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: the host check compiles with nvcc")
-def test_grad3_mma_helpers_match_float64(tmp_path):
-    exe = tmp_path / "check_grad3_mma"
-    subprocess.run(["nvcc", "-std=c++17", "-O2", "-x", "cu", f"-I{ROOT / 'kernels_src' / 'cuda'}",
-                    str(ROOT / "tests" / "cuda_host" / "check_grad3_mma.cu"), "-o", str(exe)], check=True)
+                    str(ROOT / "tests" / "cuda_host" / f"{check}.cu"), "-o", str(exe)], check=True)
     r = subprocess.run([str(exe)], capture_output=True, text=True)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
