@@ -25,6 +25,9 @@
 namespace kda_kernels {
 namespace cuda {
 
+// (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
+inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
+
 template <bool PC, int KP, bool PRECISE>
 void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = PrepSmem<KP>::bytes;
@@ -181,7 +184,7 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   }
   // 16 columns per block when 32 would leave SMs idle
   const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
-  const bool narrow = bv == 16 || (bv != 32 && static_cast<int64_t>(p.N) * p.HV * ((p.V + 31) / 32) < 2LL * num_sms());
+  const bool narrow = bv == 16 || (bv != 32 && scan_blocks32(p.N, p.HV, p.V) < 2LL * num_sms());
   if (p.hc != nullptr) {  // split scan; fp32 inputs: 16 columns (3xTF32 at 32 columns spilled 444 bytes)
     if constexpr (PRECISE) {
       launch_chunk_state<KP, 16, PRECISE>(p, st);
@@ -255,7 +258,7 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   // blocks per SM (measured at B4 T4096 H=HV=32, 512 blocks: 2.43 ms single vs 2.52 ms bulk for the KDA forward).
   int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
   if (scan_mode == 0)
-    scan_mode = static_cast<int64_t>(s.N) * s.HV * ((s.V + 31) / 32) <= num_sms() ? 4 : 1;
+    scan_mode = scan_blocks32(s.N, s.HV, s.V) <= num_sms() ? 4 : 1;
   p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster
   if (scan_mode == 2) {
     hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
