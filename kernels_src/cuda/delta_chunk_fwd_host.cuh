@@ -194,7 +194,7 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
     }
     if (max_chunks > 0) launch_chunk_out<KP, PRECISE>(p, max_chunks, st);
   } else if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= 32 * kScan3MaxCluster &&
-             cached_cc_major() >= 9) {  // cluster scan
+             cc_major() >= 9) {  // the bulk-prefetch scan (with or without a cluster)
     if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
   } else {  // the single scan kernel (default; o inside the sequential loop)
     if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);

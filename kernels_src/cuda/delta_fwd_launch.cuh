@@ -40,7 +40,7 @@ void launch_dec_bulk_one(const FwdParams& p, cudaStream_t st) {
   allow_dynamic_smem(kern, smem);
   const int64_t items = static_cast<int64_t>(p.N) * p.HV;
   if (items == 0) return;
-  const int64_t grid = items < cached_num_sms() ? items : cached_num_sms();
+  const int64_t grid = items < num_sms() ? items : num_sms();
   kern<<<static_cast<unsigned>(grid), kBulkThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

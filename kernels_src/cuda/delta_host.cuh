@@ -2,6 +2,7 @@
 // and GDN (per-head gate) entry points. Entry points are defined in {kda,gdn}_recurrent_{fwd,serve,bwd}.cu.
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -58,12 +59,23 @@ inline void allow_dynamic_smem(Kernel* kern, size_t bytes, bool max_carveout = f
   have = bytes;
 }
 
-inline int num_sms() {
-  int dev = 0, sms = 132;
+// Attribute A of the current device, queried once per device: a process may drive GPUs of different kinds (an
+// sm_80 next to an sm_90 must not inherit the first one's answer). Both attributes used here are > 0, so 0 marks
+// "not queried yet".
+template <cudaDeviceAttr A>
+inline int device_attr() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0, v = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
+  if (dev < kMaxDevices && (v = cache[dev].load(std::memory_order_relaxed)) != 0) return v;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, A, dev));
+  if (dev < kMaxDevices) cache[dev].store(v, std::memory_order_relaxed);
+  return v;
 }
+
+inline int num_sms() { return device_attr<cudaDevAttrMultiProcessorCount>(); }
+inline int cc_major() { return device_attr<cudaDevAttrComputeCapabilityMajor>(); }
 
 inline int kmax_for(int K, const char* op) {
   TORCH_CHECK(K >= 1 && K <= 256, "[", op, "] the CUDA kernels support head dim K <= 256, got K=", K);
@@ -135,12 +147,6 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // (benchmarks/results/cuda_decode_session2.json, H=16 HV=32 K=V=128, B in {1, 64, 256}, CUDA graphs): shared-memory
 // staging (1) everywhere; K-first fp32 (32 columns, 4 warps), K-first bf16/fp16 (32 columns, 2 warps), V-first
 // fp32 (8 columns, 1 warp), V-first bf16/fp16 (16 columns, 1 warp; 2 warps when few (sequence, head) pairs).
-inline int cached_num_sms() {
-  static int sms = 0;
-  if (sms == 0) sms = num_sms();
-  return sms;
-}
-
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
@@ -154,7 +160,7 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   } else if (!v_first) {
     c.cfg = esize == 4 ? 2 : 1;
   } else {
-    c.cfg = esize == 4 ? 0 : (static_cast<int64_t>(N) * HV < 2LL * cached_num_sms() ? 1 : 0);
+    c.cfg = esize == 4 ? 0 : (static_cast<int64_t>(N) * HV < 2LL * num_sms() ? 1 : 0);
   }
   const int stage = env_int("KDA_CUDA_DEC_STAGE", -1);
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
@@ -170,21 +176,12 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
 constexpr int kDecV2Default = 0;
 constexpr int kDecV2Hint = 0;
 
-inline int cached_cc_major() {
-  static int major = -1;
-  if (major < 0) {
-    int dev = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  }
-  return major;
-}
 
 inline int choose_dec_v2(int N, int HV) {
   const int v = env_int("KDA_CUDA_DEC_V2", -1);
-  if (v == 0 || cached_cc_major() < 9) return 0;
+  if (v == 0 || cc_major() < 9) return 0;
   if (v == 1 || v == 2) return v;
-  return static_cast<int64_t>(N) * HV >= 4LL * cached_num_sms() ? kDecV2Default : 0;
+  return static_cast<int64_t>(N) * HV >= 4LL * num_sms() ? kDecV2Default : 0;
 }
 
 // Defined in delta_fwd_launch.cuh and explicitly instantiated in delta_fwd_launch_{f32,bf16,f16}.cu (one file
