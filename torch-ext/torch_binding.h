@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>  // at::Tensor only: ATen/ATen.h costs ~20 s of compile per file
 
@@ -44,3 +45,20 @@ using DeltaBwdResult =
 
 KDA_DECLARE_FAMILY(kda)
 KDA_DECLARE_FAMILY(gdn)
+
+// Optional staged forms of the chunked ops (context parallelism's relay, docs/context_parallel.md): the same
+// kernels as family_chunk_fwd / family_chunk_bwd, launched in stages that return and take back their work
+// tensors. Only backends that list them in backend_ops.h define them (CUDA).
+#define KDA_DECLARE_STAGES(family)                                                                            \
+  std::vector<at::Tensor> family##_chunk_fwd_stage(                                                           \
+      at::TensorList work, int64_t stage, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,      \
+      const at::Tensor& g, const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state, \
+      const std::optional<at::Tensor>& cu_seqlens);                                                           \
+  std::vector<at::Tensor> family##_chunk_bwd_stage(                                                           \
+      at::TensorList work, int64_t stage, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,      \
+      const at::Tensor& g, const at::Tensor& beta, double scale, const std::optional<at::Tensor>& initial_state, \
+      const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& grad_o,                                  \
+      const std::optional<at::Tensor>& grad_final_state);
+
+KDA_DECLARE_STAGES(kda)
+KDA_DECLARE_STAGES(gdn)

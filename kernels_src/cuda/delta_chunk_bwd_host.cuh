@@ -18,87 +18,110 @@ struct ChunkBwdF32 {
   at::Tensor dq, dk, dg, dbeta, dv, dh0;
 };
 
-template <bool PC>
-ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
-                            const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
-                            const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+// Work buffers of one backward call (V <= 128), shared by the one-call backward and its stages
+// (chunk_bwd_stage): indices into the list, then the buffers. cfg is a CPU int64 [4] = (state v2, grad mode,
+// prep mode, nc_max), the knobs as stage 0 read them, so that later stages cannot read them differently.
+enum BwdWork {
+  kBwOff = 0, kBwAqk, kBwAkk, kBwW, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w,
+  kBwG3q, kBwG3k, kBwG3l, kBwCfg, kBwWorkSize
+};
+
+// `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
+// says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
+// output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
+inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                          double scale, const std::optional<at::Tensor>& initial_state,
+                                          const std::optional<at::Tensor>& cu, const at::Tensor& grad_o,
+                                          std::vector<at::Tensor>& work, bool force_v2) {
   namespace cb = chunk_bwd;
   const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
-  // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
-  const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
   auto f32 = q.options().dtype(at::kFloat);
-  const bool varlen = cu.has_value();
-  auto out_buf = [&](std::initializer_list<int64_t> shape) {
-    return varlen ? at::zeros(shape, f32) : at::empty(shape, f32);  // varlen: tokens outside every sequence stay 0
-  };
-  at::Tensor dq = out_buf({tokens, s.HV, s.K});
-  at::Tensor dk = out_buf({tokens, s.HV, s.K});
-  at::Tensor dg = out_buf({tokens, s.HV, s.K});
-  at::Tensor dbeta = out_buf({s.B, s.T, s.HV});
-  at::Tensor dv = varlen ? at::zeros_like(v) : at::empty_like(v);
-  at::Tensor dh0 = at::empty({s.N, s.HV, s.K, s.V}, f32);
-  const int64_t nc1 = std::max<int64_t>(nc_max, 1);
-  at::Tensor aqk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
-  at::Tensor akk = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
-  // state kernels: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_STATE=1: the kernels that rescan the decays per chunk
-  // step; kept to compare). v2 stores w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last.
-  const bool v2 = env_int("KDA_CUDA_CHUNK_BWD_STATE", 2) != 1;
-  const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
-  at::Tensor w = at::empty({v2 ? 1 : std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
-  at::Tensor wc, kendc, qgc, glc;
-  if (v2) {
-    wc = at::empty({ctile}, f32);
-    kendc = at::empty({ctile}, f32);
-    qgc = at::empty({ctile}, f32);
-    glc = at::empty({nc1 * s.HV * cb::KP}, f32);
+  if (work.empty()) {
+    // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
+    const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
+    const int64_t nc1 = std::max<int64_t>(nc_max, 1);
+    // state kernels: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_STATE=1: the kernels that rescan the decays per chunk
+    // step; kept to compare). v2 stores w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last.
+    const bool v2 = force_v2 || env_int("KDA_CUDA_CHUNK_BWD_STATE", 2) != 1;
+    // grad kernel: 3 = the split grad3_vc / grad3_wy / grad3_ch (default: 12.3 vs grad2's 15.3 ms for the KDA
+    // backward at B1 T8192 H16 HV32 on the H200, session 5), 2 = grad2, 1 = v1 grad_kernel. grad3's
+    // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
+    // dw is one more [chunks, HV, CH, KP] buffer.
+    const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
+    // prep: forward substitution in registers (default) or v1's (KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare)
+    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 2);
+    const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
+    const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
+    auto none = [&] { return at::empty({1}, f32); };
+    work.assign(kBwWorkSize, at::Tensor());
+    work[kBwOff] = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+    work[kBwAqk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
+    work[kBwAkk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
+    work[kBwW] = v2 ? none() : at::empty({std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
+    work[kBwWc] = v2 ? at::empty({ctile}, f32) : none();
+    work[kBwKend] = v2 ? at::empty({ctile}, f32) : none();
+    work[kBwQg] = v2 ? at::empty({ctile}, f32) : none();
+    work[kBwGl] = v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
+    work[kBwU0] = at::empty({tv}, f32);
+    work[kBwU] = at::empty({tv}, f32);
+    work[kBwDU] = at::empty({tv}, f32);
+    work[kBwHs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
+    work[kBwDhs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
+    const bool g3 = grad_mode == 3;
+    work[kBwG3w] = g3 ? at::empty({ctile}, f32) : none();
+    work[kBwG3q] = g3 && !v2 ? at::empty({ctile}, f32) : none();
+    work[kBwG3k] = g3 && !v2 ? at::empty({ctile}, f32) : none();
+    work[kBwG3l] = g3 && !v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
+    at::Tensor cfg = at::empty({4}, at::TensorOptions().dtype(at::kLong));
+    int64_t* c = cfg.data_ptr<int64_t>();
+    c[0] = v2; c[1] = grad_mode; c[2] = prep_mode; c[3] = nc_max;
+    work[kBwCfg] = cfg;
   }
-  at::Tensor u = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
-  at::Tensor U = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
-  at::Tensor dU = at::empty({std::max<int64_t>(tokens * s.HV * s.V, 1)}, f32);
-  at::Tensor hs = at::empty({nc1 * s.HV * s.K * s.V}, f32);
-  at::Tensor dhs = at::empty({nc1 * s.HV * s.K * s.V}, f32);
-  at::Tensor off = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+  TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
+                  work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == 4,
+              "[", op, "] work must be the list stage 0 returned");
+  const int64_t* c = work[kBwCfg].data_ptr<int64_t>();
+  const bool v2 = c[0] != 0;
+  const int grad_mode = static_cast<int>(c[1]);
+  TORCH_CHECK(work[kBwOff].numel() == s.N + 1 && work[kBwHs].numel() == std::max<int64_t>(c[3], 1) * s.HV * s.K * s.V,
+              "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
+  for (int i = 0; i < kBwCfg; ++i)
+    TORCH_CHECK(work[i].defined() && work[i].device() == q.device(), "[", op, "] work[", i, "] is not on q's device");
+  auto fp = [&](int i) { return work[i].data_ptr<float>(); };
 
   cb::Params p{};
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.grad_o = grad_o.data_ptr();
   p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
   p.h0 = initial_state_data(op, initial_state);
-  at::Tensor dht;  // holds a converted copy of grad_final_state alive
-  p.dht = grad_state_data(grad_final_state, dht);
   p.cu = cu.has_value() ? cu->data_ptr<int64_t>() : nullptr;
   p.in_dtype = in_dtype_of(q, op);
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
-  p.chunk_off = off.data_ptr<int>();
-  p.aqk = aqk.data_ptr<float>(); p.akk = akk.data_ptr<float>(); p.w = w.data_ptr<float>();
-  p.u = u.data_ptr<float>(); p.U = U.data_ptr<float>(); p.dU = dU.data_ptr<float>();
-  p.hs = hs.data_ptr<float>(); p.dhs = dhs.data_ptr<float>();
+  p.chunk_off = work[kBwOff].data_ptr<int>();
+  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk); p.w = fp(kBwW);
+  p.u = fp(kBwU0); p.U = fp(kBwU); p.dU = fp(kBwDU);
+  p.hs = fp(kBwHs); p.dhs = fp(kBwDhs);
   if (v2) {
-    p.wc = wc.data_ptr<float>(); p.kendc = kendc.data_ptr<float>(); p.qgc = qgc.data_ptr<float>();
-    p.glc = glc.data_ptr<float>();
+    p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
   }
-  // grad kernel: 3 = the split grad3_vc / grad3_wy / grad3_ch (default: 12.3 vs grad2's 15.3 ms for the KDA
-  // backward at B1 T8192 H16 HV32 on the H200, session 5), 2 = grad2, 1 = v1 grad_kernel (read on every call). grad3's intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and
-  // aqk / akk in place; dw is one more [chunks, HV, CH, KP] buffer.
-  const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
-  at::Tensor g3w, g3q, g3k, g3l;
   if (grad_mode == 3) {
-    g3w = at::empty({ctile}, f32);
-    p.gdw = g3w.data_ptr<float>();
+    p.gdw = fp(kBwG3w);
     if (v2) {
       p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
     } else {
-      g3q = at::empty({ctile}, f32);
-      g3k = at::empty({ctile}, f32);
-      g3l = at::empty({nc1 * s.HV * cb::KP}, f32);
-      p.gdqg = g3q.data_ptr<float>(); p.gdkend = g3k.data_ptr<float>(); p.gdgl = g3l.data_ptr<float>();
+      p.gdqg = fp(kBwG3q); p.gdkend = fp(kBwG3k); p.gdgl = fp(kBwG3l);
     }
   }
-  p.dq = dq.data_ptr<float>(); p.dk = dk.data_ptr<float>(); p.dg = dg.data_ptr<float>();
-  p.dbeta = dbeta.data_ptr<float>(); p.dv = dv.data_ptr(); p.dh0 = dh0.data_ptr<float>();
+  return p;
+}
 
-  auto st = c10::cuda::getCurrentCUDAStream().stream();
+// The stages of one backward (V <= 128). Order: prep, then state_fwd (needs initial_state) and state_bwd (needs
+// grad_final_state; writes dh0) in either order -- they read the prep's buffers and write disjoint ones -- then
+// grad (overwrites buffers the state stages read).
+template <bool PC>
+void chunk_bwd_set_smem() {
+  namespace cb = chunk_bwd;
   allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
   allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
   allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
@@ -109,54 +132,135 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad3_wy_kernel<PC>, cb::kWySmem, /*max_carveout=*/true);  // two 105 KB blocks per SM
   allow_dynamic_smem(cb::grad3_ch_kernel<PC>, cb::kGradSmem);
+}
+
+inline int64_t bwd_nc_max(const std::vector<at::Tensor>& work) { return work[kBwCfg].data_ptr<int64_t>()[3]; }
+inline bool bwd_v2(const std::vector<at::Tensor>& work) { return work[kBwCfg].data_ptr<int64_t>()[0] != 0; }
+
+// Stage prep: the chunk table and the per-chunk products (no state needed).
+template <bool PC>
+void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
+                          cudaStream_t st) {
+  namespace cb = chunk_bwd;
+  chunk_bwd_set_smem<PC>();
   cb::chunk_table_kernel<PC><<<1, 32, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int nsl = (s.V + cb::VS - 1) / cb::VS;
+  const int64_t nc_max = bwd_nc_max(work);
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    // prep: forward substitution in registers (default) or v1's (KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare)
-    if (env_int("KDA_CUDA_CHUNK_BWD_PREP", 2) == 1)
+    if (work[kBwCfg].data_ptr<int64_t>()[2] == 1)
       cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     else
       cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (s.N > 0 && s.HV > 0) {
-    const dim3 gseq(s.N, s.HV, nsl);
-    if (v2) {
-      cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else {
-      cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
-  if (nc_max > 0 && s.HV > 0) {
-    const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    // grad kernel: the split v3 (default), v2 (KDA_CUDA_CHUNK_BWD_GRAD=2) or v1 (=1); see grad_mode above
-    if (grad_mode == 1) {
-      cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
-    } else if (grad_mode == 3) {
-      static_assert(cb::kVcSmem <= 48 * 1024, "grad3_vc needs no shared-memory attribute");
-      cb::grad3_vc_kernel<PC, 0><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::grad3_vc_kernel<PC, 1><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
-    } else {
-      cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
-    }
+}
+
+// Stage state_fwd: the chunk-start states from initial_state (p.h0).
+template <bool PC>
+void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
+                               cudaStream_t st) {
+  namespace cb = chunk_bwd;
+  if (s.N <= 0 || s.HV <= 0) return;
+  const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
+  if (bwd_v2(work)) cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
+  else cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Stage state_bwd: the chunk-end state gradients backwards from grad_final_state (p.dht); writes p.dh0.
+template <bool PC>
+void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
+                               cudaStream_t st) {
+  namespace cb = chunk_bwd;
+  if (s.N <= 0 || s.HV <= 0) return;
+  const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
+  if (bwd_v2(work)) cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
+  else cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers).
+template <bool PC>
+void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
+                          cudaStream_t st) {
+  namespace cb = chunk_bwd;
+  const int64_t nc_max = bwd_nc_max(work);
+  if (nc_max <= 0 || s.HV <= 0) return;
+  const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
+  const int grad_mode = static_cast<int>(work[kBwCfg].data_ptr<int64_t>()[1]);
+  if (grad_mode == 1) {
+    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
+  } else if (grad_mode == 3) {
+    static_assert(cb::kVcSmem <= 48 * 1024, "grad3_vc needs no shared-memory attribute");
+    cb::grad3_vc_kernel<PC, 0><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cb::grad3_vc_kernel<PC, 1><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
+  } else {
+    cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   }
-  return {dq, dk, dg, dbeta, dv, dh0};
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// dh0 [N, HV, K, V] fp32, written by the state_bwd stage.
+inline at::Tensor bwd_alloc_dh0(const Shapes& s, const at::Tensor& q, chunk_bwd::Params& p) {
+  at::Tensor dh0 = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
+  p.dh0 = dh0.data_ptr<float>();
+  return dh0;
+}
+
+// dq, dk, dg (per value head, fp32), dbeta, dv, written by the grad stage. Varlen: tokens outside every sequence
+// stay 0.
+inline ChunkBwdF32 bwd_alloc_grads(const Shapes& s, const at::Tensor& q, const at::Tensor& v, bool varlen,
+                                   chunk_bwd::Params& p) {
+  const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
+  auto f32 = q.options().dtype(at::kFloat);
+  auto out_buf = [&](std::initializer_list<int64_t> shape) {
+    return varlen ? at::zeros(shape, f32) : at::empty(shape, f32);
+  };
+  ChunkBwdF32 r;
+  r.dq = out_buf({tokens, s.HV, s.K});
+  r.dk = out_buf({tokens, s.HV, s.K});
+  r.dg = out_buf({tokens, s.HV, s.K});
+  r.dbeta = out_buf({s.B, s.T, s.HV});
+  r.dv = varlen ? at::zeros_like(v) : at::empty_like(v);
+  p.dq = r.dq.data_ptr<float>(); p.dk = r.dk.data_ptr<float>(); p.dg = r.dg.data_ptr<float>();
+  p.dbeta = r.dbeta.data_ptr<float>(); p.dv = r.dv.data_ptr();
+  return r;
+}
+
+template <bool PC>
+ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+                            const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                            const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+  std::vector<at::Tensor> work;
+  chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, false);
+  at::Tensor dht;  // holds a converted copy of grad_final_state alive
+  p.dht = grad_state_data(grad_final_state, dht);
+  ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), p);
+  r.dh0 = bwd_alloc_dh0(s, q, p);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  chunk_bwd_prep_stage<PC>(s, p, work, st);
+  chunk_bwd_state_fwd_stage<PC>(s, p, work, st);
+  chunk_bwd_state_bwd_stage<PC>(s, p, work, st);
+  chunk_bwd_grad_stage<PC>(s, p, work, st);
+  return r;
+}
+
+// dq, dk to the inputs' heads and dtypes, dg per channel (KDA) or per head (GDN).
+template <bool PC>
+DeltaBwdResult chunk_bwd_finish(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r) {
+  at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+  at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
+  return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
 }
 
 template <bool PC>
@@ -200,10 +304,58 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
     r.dv = at::cat(dvs, -1);
     r.dh0 = at::cat(dh0s, -1);
   }
-  at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
-  at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
-  at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
-  return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
+  return chunk_bwd_finish<PC>(s, q, k, r);
+}
+
+// The backward in stages for context parallelism's relay (docs/context_parallel.md), same kernels and results as
+// chunk_bwd_run: stage 0 prep (returns the work list), 1 state_fwd (reads initial_state; returns []), 2 state_bwd
+// (reads grad_final_state; returns [dh0]), 3 grad (returns [dq, dk, dv, dg, dbeta]). Order: 0, then 1 and 2 in
+// either order, then 3; every stage gets the same inputs. The v2 state kernels always (the stages rely on
+// them); K and V <= 128.
+template <bool PC>
+std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, int64_t stage, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                        const at::Tensor& beta, double scale,
+                                        const std::optional<at::Tensor>& initial_state,
+                                        const std::optional<at::Tensor>& cu, const at::Tensor& grad_o,
+                                        const std::optional<at::Tensor>& grad_final_state) {
+  namespace cb = chunk_bwd;
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  TORCH_CHECK(s.K <= cb::KP && s.V <= cb::VP, "[", op, "] the staged backward needs K <= ", cb::KP, " and V <= ",
+              cb::VP, ", got K=", s.K, " V=", s.V);
+  TORCH_CHECK(s.T > 0, "[", op, "] the staged backward needs at least one token");
+  TORCH_CHECK(stage >= 0 && stage <= 3, "[", op, "] stage must be 0 (prep), 1 (state_fwd), 2 (state_bwd) or 3 (grad), got ",
+              stage);
+  TORCH_CHECK((stage == 0) == work_in.empty(), "[", op,
+              "] stage 0 takes an empty work list, the later stages the one stage 0 returned");
+  c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
+              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
+  std::vector<at::Tensor> work(work_in.begin(), work_in.end());
+  cb::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, true);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  switch (stage) {
+    case 0:
+      chunk_bwd_prep_stage<PC>(s, p, work, st);
+      return work;
+    case 1:
+      chunk_bwd_state_fwd_stage<PC>(s, p, work, st);
+      return {};
+    case 2: {
+      at::Tensor dht;  // holds a converted copy of grad_final_state alive
+      p.dht = grad_state_data(grad_final_state, dht);
+      at::Tensor dh0 = bwd_alloc_dh0(s, q, p);
+      chunk_bwd_state_bwd_stage<PC>(s, p, work, st);
+      return {dh0};
+    }
+    default: {
+      ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), p);
+      chunk_bwd_grad_stage<PC>(s, p, work, st);
+      r.dh0 = at::empty({0}, q.options().dtype(at::kFloat));
+      auto [dq, dk, dv, dg, dbeta, unused] = chunk_bwd_finish<PC>(s, q, k, r);
+      return {dq, dk, dv, dg, dbeta};
+    }
+  }
 }
 
 }  // namespace cuda

@@ -17,6 +17,8 @@
 // clusters fit at once, so the grid runs in two waves).
 #pragma once
 
+#include <vector>
+
 #include "delta_chunk_fwd.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "kda_chunk_prep.cuh"
@@ -169,19 +171,24 @@ void launch_chunk_out(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) 
   }
 }
 
+// The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
 template <bool PC, int KP, bool PRECISE>
-void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if (max_chunks > 0) {
-    if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
-      if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
-      else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
-    } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-      if (env_int("KDA_CUDA_KDA_PREP", 1) != 0) launch_kda_prep<KP>(p, max_chunks, st);
-      else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
-    } else {
-      launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
-    }
+void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if (max_chunks <= 0) return;
+  if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
+    if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
+    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+  } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
+    if (env_int("KDA_CUDA_KDA_PREP", 1) != 0) launch_kda_prep<KP>(p, max_chunks, st);
+    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+  } else {
+    launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
   }
+}
+
+// The state-dependent half: the scan from p.h0 over the chunks (o and the final state).
+template <int KP, bool PRECISE>
+void run_chunk_scan(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   // 16 columns per block when 32 would leave SMs idle
   const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
   const bool narrow = bv == 16 || (bv != 32 && scan_blocks32(p.N, p.HV, p.V) < 2LL * num_sms());
@@ -202,6 +209,112 @@ void run_chunk_fwd(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   }
 }
 
+// The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
+template <bool PC>
+void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  const bool precise = p.in_dtype == kF32;
+  if (p.K <= 64) {
+    if (precise) run_chunk_prep<PC, 64, true>(p, max_chunks, st);
+    else run_chunk_prep<PC, 64, false>(p, max_chunks, st);
+  } else {
+    if (precise) run_chunk_prep<PC, 128, true>(p, max_chunks, st);
+    else run_chunk_prep<PC, 128, false>(p, max_chunks, st);
+  }
+}
+
+inline void chunk_scan_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  const bool precise = p.in_dtype == kF32;
+  if (p.K <= 64) {
+    if (precise) run_chunk_scan<64, true>(p, max_chunks, st);
+    else run_chunk_scan<64, false>(p, max_chunks, st);
+  } else {
+    if (precise) run_chunk_scan<128, true>(p, max_chunks, st);
+    else run_chunk_scan<128, false>(p, max_chunks, st);
+  }
+}
+
+// Workspace of one forward call, shared by the one-call forward and its two stages (chunk_fwd_stage): ws (per
+// chunk and head), map (varlen chunk table), hc (the split scan's chunk-start states) and cfg, a CPU int64
+// [3] = (ws_bf16, scan choice, max_chunks) holding what stage 0 decided so that stage 1 cannot read the knobs
+// differently. `work` empty: allocate (and build the varlen chunk table); else take the tensors from it.
+enum FwdWork { kFwdWs = 0, kFwdMap, kFwdHc, kFwdCfg, kFwdWorkSize };
+
+inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                       double scale, const std::optional<at::Tensor>& cu,
+                                       std::vector<at::Tensor>& work, int64_t& max_chunks, cudaStream_t st) {
+  auto f32 = q.options().dtype(at::kFloat);
+  ChunkFwdParams p{};
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
+  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
+  p.in_dtype = in_dtype_of(q, op);
+  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
+  p.scale = static_cast<float>(scale);
+  const int KP = s.K <= 64 ? 64 : 128;
+  const bool fresh = work.empty();
+  if (fresh) {
+    // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
+    const int64_t ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
+    // Unset: the bulk-prefetch scan (4) when its blocks, one per SM, fit in one wave; else the single kernel, two
+    // blocks per SM (measured at B4 T4096 H=HV=32, 512 blocks: 2.43 ms single vs 2.52 ms bulk for the KDA forward).
+    int64_t scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
+    if (scan_mode == 0) scan_mode = scan_blocks32(s.N, s.HV, s.V) <= num_sms() ? 4 : 1;
+    const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N
+                                      : static_cast<int64_t>(s.B) * ((s.T + kChunk - 1) / kChunk);
+    TORCH_CHECK(mc < (1LL << 31), "[", op, "] too many chunks");
+    at::Tensor cfg = at::empty({3}, at::TensorOptions().dtype(at::kLong));
+    int64_t* c = cfg.data_ptr<int64_t>();
+    c[0] = ws_bf16; c[1] = scan_mode; c[2] = mc;
+    work.assign(kFwdWorkSize, at::Tensor());
+    work[kFwdCfg] = cfg;
+  }
+  TORCH_CHECK(static_cast<int>(work.size()) == kFwdWorkSize && work[kFwdCfg].defined() &&
+                  work[kFwdCfg].device().is_cpu() && work[kFwdCfg].numel() == 3,
+              "[", op, "] work must be the list stage 0 returned");
+  const int64_t* cfg = work[kFwdCfg].data_ptr<int64_t>();
+  p.ws_bf16 = static_cast<int>(cfg[0]);
+  const int scan_mode = static_cast<int>(cfg[1]);
+  max_chunks = cfg[2];
+  p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
+  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster
+  if (fresh) {
+    work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
+    work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
+    // Split scan (KDA_CUDA_CHUNK_SCAN=2; see the top of this file for 1, 3, 4): the chunk-start states, K x V
+    // per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
+    work[kFwdHc] = at::empty({scan_mode == 2 ? std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1) : 1},
+                             q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
+  }
+  const int64_t ws_need = std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1);
+  TORCH_CHECK(work[kFwdWs].defined() && work[kFwdWs].is_cuda() && work[kFwdWs].numel() == ws_need &&
+                  work[kFwdMap].defined() && work[kFwdHc].defined(),
+              "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
+  p.ws = work[kFwdWs].data_ptr<float>();
+  if (scan_mode == 2) p.hc = work[kFwdHc].data_ptr();
+  if (cu.has_value()) {
+    p.cu_seqlens = cu->data_ptr<int64_t>();
+    p.chunk_off = work[kFwdMap].data_ptr<int>();
+    p.chunk_seq = work[kFwdMap].data_ptr<int>() + s.N + 1;
+    if (fresh) {
+      delta_chunk_map_kernel<<<1, 1024, 0, st>>>(p.cu_seqlens, s.N, static_cast<int>(max_chunks),
+                                                 work[kFwdMap].data_ptr<int>(), work[kFwdMap].data_ptr<int>() + s.N + 1);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  } else {
+    p.nc_per_seq = (s.T + kChunk - 1) / kChunk;
+  }
+  return p;
+}
+
+inline const float* chunk_fwd_h0(const char* op, const std::optional<at::Tensor>& initial_state, const at::Tensor& q,
+                                 const at::Tensor& ht) {
+  if (!initial_state.has_value()) return nullptr;
+  TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous() &&
+                  initial_state->device() == q.device() && initial_state->numel() == ht.numel(),
+              "[", op, "] initial_state must be a contiguous float32 [N, HV, K, V] tensor on q's device");
+  return initial_state->data_ptr<float>();
+}
+
 template <bool PC>
 DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -211,69 +324,52 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   if (s.K > 128 || env_int("KDA_CUDA_CHUNK_FWD", 1) == 0)
     return recurrent_fwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu);
   c10::cuda::CUDAGuard guard(q.device());
-  auto f32 = q.options().dtype(at::kFloat);
   at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
-  at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, f32);
-  ChunkFwdParams p{};
-  if (initial_state.has_value()) {
-    TORCH_CHECK(initial_state->scalar_type() == at::kFloat && initial_state->is_contiguous() &&
-                    initial_state->device() == q.device() && initial_state->numel() == ht.numel(),
-                "[", op, "] initial_state must be a contiguous float32 [N, HV, K, V] tensor on q's device");
-    p.h0 = initial_state->data_ptr<float>();
-  }
+  at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
+  const float* h0 = chunk_fwd_h0(op, initial_state, q, ht);
   if (s.N == 0 || s.HV == 0 || s.V == 0) return {o, ht};
-  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr();
-  p.g = g.data_ptr<float>(); p.beta = beta.data_ptr<float>();
-  p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
-  p.in_dtype = in_dtype_of(q, op);
-  p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
-  p.scale = static_cast<float>(scale);
-  const int KP = s.K <= 64 ? 64 : 128;
-  // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
-  p.ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
-  p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
-  int64_t max_chunks;
-  at::Tensor map;
-  if (cu.has_value()) {
-    max_chunks = (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N;
-    map = at::empty({s.N + 1 + max_chunks}, q.options().dtype(at::kInt));
-    p.cu_seqlens = cu->data_ptr<int64_t>();
-    p.chunk_off = map.data_ptr<int>();
-    p.chunk_seq = map.data_ptr<int>() + s.N + 1;
-    delta_chunk_map_kernel<<<1, 1024, 0, st>>>(p.cu_seqlens, s.N, static_cast<int>(max_chunks),
-                                               map.data_ptr<int>(), map.data_ptr<int>() + s.N + 1);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {
-    p.nc_per_seq = (s.T + kChunk - 1) / kChunk;
-    max_chunks = static_cast<int64_t>(s.B) * p.nc_per_seq;
-  }
-  TORCH_CHECK(max_chunks < (1LL << 31), "[", op, "] too many chunks");
-  at::Tensor ws = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
-  p.ws = ws.data_ptr<float>();
-  // Split scan (KDA_CUDA_CHUNK_SCAN=2, read at every call; see the top of this file for 1, 3, 4): the chunk-start
-  // states, K x V per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
-  at::Tensor hc;
-  // Unset: the bulk-prefetch scan (4) when its blocks, one per SM, fit in one wave; else the single kernel, two
-  // blocks per SM (measured at B4 T4096 H=HV=32, 512 blocks: 2.43 ms single vs 2.52 ms bulk for the KDA forward).
-  int scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
-  if (scan_mode == 0)
-    scan_mode = scan_blocks32(s.N, s.HV, s.V) <= num_sms() ? 4 : 1;
-  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster
-  if (scan_mode == 2) {
-    hc = at::empty({std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1)},
-                   q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
-    p.hc = hc.data_ptr();
-  }
-  const bool precise = p.in_dtype == kF32;
+  std::vector<at::Tensor> work;
+  int64_t max_chunks = 0;
+  ChunkFwdParams p = chunk_fwd_params(op, s, q, k, v, g, beta, scale, cu, work, max_chunks, st);
+  p.h0 = h0; p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
   const int mc = static_cast<int>(max_chunks);
-  if (KP == 64) {
-    if (precise) run_chunk_fwd<PC, 64, true>(p, mc, st);
-    else run_chunk_fwd<PC, 64, false>(p, mc, st);
-  } else {
-    if (precise) run_chunk_fwd<PC, 128, true>(p, mc, st);
-    else run_chunk_fwd<PC, 128, false>(p, mc, st);
+  chunk_prep_dispatch<PC>(p, mc, st);
+  chunk_scan_dispatch(p, mc, st);
+  return {o, ht};
+}
+
+// The forward in two stages for context parallelism's relay (docs/context_parallel.md): stage 0 runs the prep
+// (no initial state needed) and returns the work tensors; stage 1 takes them back with initial_state and runs the
+// scan, returning [o, final_state]. Same kernels and results as chunk_fwd. K and V <= 128 (the chunked kernels'
+// single-block range; wider calls use chunk_fwd).
+template <bool PC>
+std::vector<at::Tensor> chunk_fwd_stage(const char* op, at::TensorList work_in, int64_t stage, const at::Tensor& q,
+                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                        const at::Tensor& beta, double scale,
+                                        const std::optional<at::Tensor>& initial_state,
+                                        const std::optional<at::Tensor>& cu) {
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  TORCH_CHECK(s.K <= 128 && s.V <= 128, "[", op, "] the staged forward needs K <= 128 and V <= 128, got K=", s.K,
+              " V=", s.V);
+  TORCH_CHECK(s.T > 0 && s.N > 0 && s.HV > 0, "[", op, "] the staged forward needs at least one token");
+  TORCH_CHECK(stage == 0 || stage == 1, "[", op, "] stage must be 0 (prep) or 1 (scan), got ", stage);
+  TORCH_CHECK((stage == 0) == work_in.empty(), "[", op, "] stage 0 takes an empty work list, stage 1 the one stage 0 returned");
+  c10::cuda::CUDAGuard guard(q.device());
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  std::vector<at::Tensor> work(work_in.begin(), work_in.end());
+  int64_t max_chunks = 0;
+  ChunkFwdParams p = chunk_fwd_params(op, s, q, k, v, g, beta, scale, cu, work, max_chunks, st);
+  const int mc = static_cast<int>(max_chunks);
+  if (stage == 0) {
+    chunk_prep_dispatch<PC>(p, mc, st);
+    return work;
   }
+  at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
+  at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
+  p.h0 = chunk_fwd_h0(op, initial_state, q, ht);
+  p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
+  chunk_scan_dispatch(p, mc, st);
   return {o, ht};
 }
 

@@ -7,3 +7,12 @@ DeltaFwdResult gdn_chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at:
                               const std::optional<at::Tensor>& cu_seqlens) {
   return kda_kernels::cuda::chunk_fwd<false>("gdn_chunk_fwd", q, k, v, g, beta, scale, initial_state, cu_seqlens);
 }
+
+// The same forward in two stages (prep, scan) for context parallelism's relay; see chunk_fwd_stage.
+std::vector<at::Tensor> gdn_chunk_fwd_stage(at::TensorList work, int64_t stage, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                           double scale, const std::optional<at::Tensor>& initial_state,
+                                           const std::optional<at::Tensor>& cu_seqlens) {
+  return kda_kernels::cuda::chunk_fwd_stage<false>("gdn_chunk_fwd_stage", work, stage, q, k, v, g, beta, scale,
+                                                 initial_state, cu_seqlens);
+}
