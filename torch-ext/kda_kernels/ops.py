@@ -23,6 +23,14 @@ _BWD = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tens
 _SERVE = ("(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) state_pool, "
           "Tensor ssm_state_indices, Tensor? num_accepted_tokens, Tensor? cu_seqlens, bool state_v_first) -> Tensor")
 
+# Staged forms of the chunked ops (context parallelism's relay, docs/context_parallel.md): the same kernels as
+# *_chunk_fwd / *_chunk_bwd launched in stages that hand their work tensors back to the caller. Schemas only, no
+# fallback: a compiled backend that implements them registers kernels (CUDA); `has_stages` says where they run.
+_FWD_STAGE = ("(Tensor(a!)[] work, int stage, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+              "Tensor? initial_state, Tensor? cu_seqlens) -> Tensor[]")
+_BWD_STAGE = ("(Tensor(a!)[] work, int stage, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+              "Tensor? initial_state, Tensor? cu_seqlens, Tensor grad_o, Tensor? grad_final_state) -> Tensor[]")
+
 _FALLBACKS = {
     "chunk_fwd": (_FWD, delta_chunk_fwd),
     "chunk_bwd": (_BWD, delta_chunk_bwd),
@@ -121,6 +129,8 @@ def _register():
             lib.impl(name, _with_warning(name, fn), "CompositeExplicitAutograd")
             fake = {"fwd": _fwd_fake, "bwd": _bwd_fake, "serve": _serve_fake}[suffix.split("_")[1]]
             torch.library.register_fake(f"{ns}::{name}", fake, lib=lib)
+        lib.define(f"{family}_chunk_fwd_stage" + _FWD_STAGE)
+        lib.define(f"{family}_chunk_bwd_stage" + _BWD_STAGE)
         for mode in ("chunk", "recurrent"):
             torch.library.register_autograd(
                 f"{ns}::{family}_{mode}_fwd", _make_backward(f"{ns}::{family}_{mode}_bwd"),
@@ -157,3 +167,13 @@ if _lib is not None and _ops.BACKEND == "neuron":
     register_neuron_impls(_lib, _ops.NAMESPACE)
 
 ops = getattr(torch.ops, _ops.NAMESPACE)
+
+
+def has_stages(family, device):
+    """Whether the staged chunked ops (`{family}_chunk_fwd_stage` / `_bwd_stage`) have a native kernel for
+    `device` in this build (the CUDA build has them; see docs/context_parallel.md)."""
+    key = {"cuda": "CUDA", "cpu": "CPU", "mps": "MPS"}.get(torch.device(device).type)
+    if key is None:
+        return False
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"{_ops.NAMESPACE}::{family}_chunk_{d}_stage", key)
+               for d in ("fwd", "bwd"))
