@@ -2,7 +2,10 @@
 CPU must give the same outputs, final states and gradients as one chunk_kda / chunk_gated_delta_rule call over
 the whole sequence (fp32: relative RMS <= 1e-5, DESIGN.md section 6), and stay within the section-6 budget of
 the float64 reference. World sizes 2 and 3, uneven and empty slices, initial states, varlen with sequences
-crossing rank boundaries, GVA, every pre-processing option, KDA and GDN, both transition modes.
+crossing rank boundaries, GVA, every pre-processing option, KDA and GDN, both transition modes, and both
+schedules: 'affine' (the all_gather scan of the slices' maps) and 'relay' (the state passed rank to rank; here
+over the one-call CPU ops, the CUDA build runs it on the staged ops -- tests/test_cuda_stages.py checks those
+against the one-call ops, benchmarks/cp --check the relay on GPUs).
 
 Each case's metrics are reduced over the ranks (sum of squared errors / sum of squared references) and
 written by rank 0 to a JSON file; run with -s to see the table.
@@ -143,7 +146,7 @@ def _single(mod, spec, data, dtype_ref=False):
     return o.detach(), fin.detach(), grads
 
 
-def _local(cp, spec, data, rank, bounds):
+def _local(cp, spec, data, rank, bounds, schedule):
     """This rank's CP call on its slice; returns per-quantity (ref_index, local_tensor) pieces to compare."""
     a, b = bounds[rank], bounds[rank + 1]
     opts = dict(spec.get("opts", {}))
@@ -153,7 +156,7 @@ def _local(cp, spec, data, rank, bounds):
     par = {n: (x[n].detach().clone().requires_grad_(True) if x[n] is not None else None) for n in ("A_log", "dt_bias")}
     fn = cp.chunk_kda_cp if spec["family"] == "kda" else cp.chunk_gated_delta_rule_cp
     kw = dict(output_final_state=True, state_v_first=svf, A_log=par["A_log"], dt_bias=par["dt_bias"],
-              transition=spec.get("transition", "fused"), **opts)
+              transition=spec.get("transition", "fused"), schedule=schedule, **opts)
     if spec.get("cu"):
         sl = cp.split_varlen(spec["cu"], bounds=bounds)[rank]
         ids = sl.seq_ids
@@ -237,7 +240,7 @@ def _references(mod):
     return refs
 
 
-def _worker(rank, world, init_file, build_dir, refs_file, result_file):
+def _worker(rank, world, init_file, build_dir, refs_file, result_file, schedule):
     os.environ.setdefault("KDA_KERNELS_QUIET_FALLBACK", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -250,7 +253,7 @@ def _worker(rank, world, init_file, build_dir, refs_file, result_file):
     for name, spec in _cases():
         ref = refs[name]
         bounds = spec["bounds"][world]
-        local, extra = _local(cp, spec, ref["data"], rank, bounds)
+        local, extra = _local(cp, spec, ref["data"], rank, bounds, schedule)
         row = {}
         for key in ref["same"]:
             pieces = local.get(key, [])
@@ -272,7 +275,7 @@ def _worker(rank, world, init_file, build_dir, refs_file, result_file):
         results[name] = dict(dtype=str(spec.get("dtype", torch.float32)), metrics=merged,
                              ref64=spec.get("ref64", True))
     if world == 3:
-        errs = _two_layers(mod, cp, rank, world)
+        errs = _two_layers(mod, cp, rank, world, schedule)
         results["two_layers_inplace"] = dict(dtype="torch.float32", ref64=False,
                                              metrics={k: dict(same=e, ref64=e) for k, e in errs.items()})
     if rank == 0:
@@ -312,14 +315,16 @@ def refs_file(cp_module, tmp_path_factory):
     return path
 
 
+@pytest.mark.parametrize("schedule", ["affine", "relay"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_cp_matches_single_rank(world, build_dir, refs_file, tmp_path):
+def test_cp_matches_single_rank(world, schedule, build_dir, refs_file, tmp_path):
     result = tmp_path / "result.json"
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(build_dir), str(refs_file), str(result)),
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(build_dir), str(refs_file), str(result), schedule),
              nprocs=world, join=True)
     results = json.loads(result.read_text())
     failures = []
-    print(f"\nworld={world}: relative RMS error, CP vs single rank (same dtype) | vs float64 reference")
+    print(f"\nworld={world} schedule={schedule}: relative RMS error, CP vs single rank (same dtype) | vs float64 "
+          f"reference")
     for name, res in results.items():
         dtype = getattr(torch, res["dtype"].replace("torch.", ""))
         cells = []
@@ -372,7 +377,7 @@ def test_balanced_bounds(cp_module):
         with pytest.raises(ValueError, match=what):
             cp.balanced_bounds(**kw)
 
-def _two_layers(mod, cp, rank, world):
+def _two_layers(mod, cp, rank, world, schedule):
     """Two stacked CP layers (layer 2's v is a function of layer 1's o) with an in-place op on the first
     output, against one rank: the backward's collectives must pair up across layers and ranks."""
     gen = torch.Generator().manual_seed(5)
@@ -384,10 +389,10 @@ def _two_layers(mod, cp, rank, world):
     beta = torch.rand(1, T, 2, generator=gen)
     w2 = torch.randn(16, 16, generator=gen) * 0.3
 
-    def model(fn, q, k, v, g, beta):
-        o, _ = fn(q, k, v, g, beta)
+    def model(fn, q, k, v, g, beta, **kw):
+        o, _ = fn(q, k, v, g, beta, **kw)
         o.mul_(1.5)  # in place on the CP output (rank 0's output passes through the zero-gradient tie)
-        o2, _ = fn(q, k, torch.tanh(o @ w2), g, beta)
+        o2, _ = fn(q, k, torch.tanh(o @ w2), g, beta, **kw)
         return o2
 
     full = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
@@ -395,7 +400,7 @@ def _two_layers(mod, cp, rank, world):
     o.pow(2).sum().backward()
     a, b = bounds[rank], bounds[rank + 1]
     loc = [x[:, a:b].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    ol = model(cp.chunk_gated_delta_rule_cp, *loc)
+    ol = model(cp.chunk_gated_delta_rule_cp, *loc, schedule=schedule)
     ol.pow(2).sum().backward()
     sums = []
     for ref, out in [(o.detach()[:, a:b], ol.detach())] + [(f.grad[:, a:b], l.grad) for f, l in zip(full, loc)]:
@@ -426,6 +431,12 @@ def test_single_rank_group_and_errors(cp_module, tmp_path):
             cp.chunk_kda_cp(*args, cu_seqlens=cu, continues_from_prev=True)
         with pytest.raises(ValueError, match="transition"):
             cp.chunk_kda_cp(*args, cu_seqlens=cu, continues_from_prev=False, transition="nope")
+        with pytest.raises(ValueError, match="schedule"):
+            cp.chunk_kda_cp(*args, cu_seqlens=cu, continues_from_prev=False, schedule="nope")
+        # 'auto' relays only where the staged kernels run (the CUDA build); this CPU build has none
+        assert not cp.has_stages("kda", "cpu")
+        assert cp._pick_schedule("auto", "kda", args[0], args[2], 2) == "affine"
+        assert cp._pick_schedule("relay", "kda", args[0], args[2], 2) == "relay"
         with pytest.raises(ValueError, match="at least one local sequence"):
             cp.chunk_kda_cp(*(x[:, :0] for x in args), cu_seqlens=torch.tensor([0]), continues_from_prev=False)
     finally:

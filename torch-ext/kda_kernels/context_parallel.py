@@ -36,11 +36,13 @@ import torch.distributed as dist
 
 from . import _validate
 from .api import _from_k_first, _prepare, _to_k_first, _check_kwargs
-from .ops import ops
+from .ops import has_stages, ops
 
 __all__ = ["chunk_kda_cp", "chunk_gated_delta_rule_cp", "split_varlen", "balanced_bounds", "CPSlice"]
 
 _TRANSITIONS = ("fused", "split")
+_SCHEDULES = ("auto", "relay", "affine")
+_RELAY_MAX_RANKS = 4  # schedule="auto" relays up to this many ranks (see _pick_schedule)
 
 
 # ---------------------------------------------------------------- collectives with autograd
@@ -54,6 +56,19 @@ def _all_gather(x, group):
     parts = [torch.empty_like(x) for _ in range(W)]
     dist.all_gather(parts, x, group=group)
     return parts
+
+
+def _peer(group, r):
+    return dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
+
+
+def _send(x, dst, group):
+    """Sends x to rank `dst` of `group` (the relay's point-to-point traffic; one place to count it)."""
+    dist.isend(x.contiguous(), _peer(group, dst), group=group).wait()
+
+
+def _irecv(x, src, group):
+    return dist.irecv(x, _peer(group, src), group=group)
 
 
 class _StateScan(torch.autograd.Function):
@@ -109,6 +124,183 @@ class _Tie(torch.autograd.Function):
         return dx, torch.zeros(shape, dtype=dtype, device=device)
 
 
+# ---------------------------------------------------------------- relay schedule
+# The state passes from rank to rank (forward: r -> r+1; backward: dL/dS from r+1 -> r) and each rank runs its
+# slice once at value width V, from its true incoming state. What makes it parallel is the kernels' stages: the
+# state-independent work (the forward's prep; the backward's prep and, on the last rank, its state-gradient scan)
+# runs while the rank waits for its neighbour, and only the sequential state scans form the chain. With the
+# staged CUDA ops (two ranks, K = V = 128: prep ~60 % of the forward, the state scans ~25 % of the backward) that
+# is the better schedule; with the one-call ops (other backends) the ranks simply take turns (correct, not faster).
+
+class _OneCallStages:
+    """The relay's stages over the one-call core ops (every backend): the prep stages do nothing, the scan runs the
+    whole forward and state_bwd the whole backward (grad hands back what it computed)."""
+
+    native = False
+
+    def __init__(self, family):
+        self.fwd = getattr(ops, f"{family}_chunk_fwd")
+        self.bwd = getattr(ops, f"{family}_chunk_bwd")
+
+    def fwd_prep(self, x):
+        return None
+
+    def fwd_scan(self, work, x, h0):
+        return self.fwd(*x[:6], h0, x[6])
+
+    def bwd_prep(self, x, grad_o):
+        return {}
+
+    def bwd_state_fwd(self, work, x, h0, grad_o):
+        pass
+
+    def bwd_state_bwd(self, work, x, h0, grad_o, dht):
+        work["all"] = self.bwd(*x[:6], h0, x[6], grad_o, dht)
+        return work["all"][5]
+
+    def bwd_grad(self, work, x, h0, grad_o):
+        return work["all"][:5]
+
+
+class _NativeStages:
+    """The relay's stages over the staged ops ({family}_chunk_fwd_stage / _bwd_stage; CUDA)."""
+
+    native = True
+
+    def __init__(self, family):
+        self.fs = getattr(ops, f"{family}_chunk_fwd_stage")
+        self.bs = getattr(ops, f"{family}_chunk_bwd_stage")
+
+    def fwd_prep(self, x):
+        return self.fs([], 0, *x[:6], None, x[6])
+
+    def fwd_scan(self, work, x, h0):
+        o, final = self.fs(work, 1, *x[:6], h0, x[6])
+        return o, final
+
+    def bwd_prep(self, x, grad_o):
+        return self.bs([], 0, *x[:6], None, x[6], grad_o, None)
+
+    def bwd_state_fwd(self, work, x, h0, grad_o):
+        self.bs(work, 1, *x[:6], h0, x[6], grad_o, None)
+
+    def bwd_state_bwd(self, work, x, h0, grad_o, dht):
+        return self.bs(work, 2, *x[:6], h0, x[6], grad_o, dht)[0]
+
+    def bwd_grad(self, work, x, h0, grad_o):
+        return self.bs(work, 3, *x[:6], h0, x[6], grad_o, None)
+
+
+def _stages_for(family, q, v):
+    """Native stages where this build has them for q's device and the call fits them (K, V <= 128, tokens > 0)."""
+    if q.shape[1] > 0 and q.shape[3] <= 128 and v.shape[3] <= 128 and has_stages(family, q.device):
+        return _NativeStages(family)
+    return _OneCallStages(family)
+
+
+class _Relay(torch.autograd.Function):
+    """One rank's slice under the relay schedule. Rows exchanged with the neighbours: without cu_seqlens all B
+    rows (each row is one sequence split across the ranks), with cu_seqlens one row (local sequence 0 comes in,
+    the last local sequence goes out). A rank always receives from rank - 1 and sends to rank + 1 (zeros / an
+    unused state where nothing continues), so that no rank needs to know its neighbours' slices."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, cu, family, group, cont):
+        W, r = _group_info(group)
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        N = B if cu is None else cu.numel() - 1
+        M = B if cu is None else 1
+        f32 = dict(dtype=torch.float32, device=q.device)
+        stages = _stages_for(family, q, v)
+        x = (q, k, v, g, beta, scale, cu)
+        recv = None
+        if r > 0:
+            s_prev = torch.empty(M, HV, K, V, **f32)
+            recv = _irecv(s_prev, r - 1, group)
+        work = stages.fwd_prep(x) if T > 0 else None  # overlaps the wait
+        if recv is not None:
+            recv.wait()
+        h0_eff = h0
+        if cont:
+            if cu is None:
+                h0_eff = s_prev
+            else:
+                rest = h0[1:] if h0 is not None else torch.zeros(N - 1, HV, K, V, **f32)
+                h0_eff = torch.cat([s_prev, rest], 0)
+        if T > 0:
+            o, final = stages.fwd_scan(work, x, None if h0_eff is None else h0_eff.contiguous())
+        else:  # an empty slice: the states pass through
+            o = v.new_zeros(B, 0, HV, V)
+            final = h0_eff.clone() if h0_eff is not None else torch.zeros(N, HV, K, V, **f32)
+        if r < W - 1:
+            _send(final if cu is None else final[-1:], r + 1, group)
+        ctx.save_for_backward(q, k, v, g, beta, h0_eff, cu)
+        ctx.scale, ctx.family, ctx.group, ctx.cont, ctx.has_h0 = scale, family, group, cont, h0 is not None
+        return o, final
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final):
+        q, k, v, g, beta, h0_eff, cu = ctx.saved_tensors
+        W, r = _group_info(ctx.group)
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        N = B if cu is None else cu.numel() - 1
+        M = B if cu is None else 1
+        f32 = dict(dtype=torch.float32, device=q.device)
+        stages = _stages_for(ctx.family, q, v)
+        x = (q, k, v, g, beta, ctx.scale, cu)
+        grad_o = torch.zeros_like(v) if grad_o is None else grad_o.contiguous()
+        dht = torch.zeros(N, HV, K, V, **f32) if grad_final is None else grad_final.float().contiguous()
+        recv = None
+        if r < W - 1:
+            ds_next = torch.empty(M, HV, K, V, **f32)
+            recv = _irecv(ds_next, r + 1, ctx.group)
+        h0c = None if h0_eff is None else h0_eff.contiguous()
+        if T > 0:
+            work = stages.bwd_prep(x, grad_o)
+            if recv is not None:  # not the last rank: the state scan overlaps the wait for dL/dS
+                stages.bwd_state_fwd(work, x, h0c, grad_o)
+        if recv is not None:
+            recv.wait()
+            dht = dht.clone()
+            if cu is None:
+                dht += ds_next
+            else:
+                dht[-1:] += ds_next
+        if T > 0:
+            dh0 = stages.bwd_state_bwd(work, x, h0c, grad_o, dht)
+        else:
+            dh0 = dht
+        if r > 0:  # dL/dS for the rows that came from rank - 1 (zeros where nothing continued)
+            rows = dh0 if cu is None else dh0[:1]
+            out = rows if ctx.cont else torch.zeros_like(rows)
+            _send(out, r - 1, ctx.group)
+        if T > 0:
+            if recv is None:  # the last rank ran state_bwd first (its dL/dS goes out sooner)
+                stages.bwd_state_fwd(work, x, h0c, grad_o)
+            dq, dk, dv, dg, dbeta = stages.bwd_grad(work, x, h0c, grad_o)
+        else:
+            dq, dk, dv, dg, dbeta = (torch.zeros_like(t) for t in (q, k, v, g, beta))
+        d_init = None
+        if ctx.has_h0:
+            d_init = dh0.clone()
+            if ctx.cont:
+                d_init[0 if cu is not None else slice(None)] = 0  # rows that came from rank - 1 ignore initial_state
+        return dq, dk, dv, dg, dbeta, d_init, None, None, None, None, None
+
+
+def _pick_schedule(schedule, family, q, v, W):
+    """'auto': the relay where it is the faster schedule -- the staged kernels run (CUDA build, K, V <= 128) and
+    at most _RELAY_MAX_RANKS ranks (the relay's chain of state scans grows with the ranks; from the per-kernel
+    times at B1 T8192 H16 HV32 a model puts the crossover with the affine schedule at 5-6 ranks; measured: two) --
+    else the affine scan."""
+    if schedule != "auto":
+        return schedule
+    native = q.shape[3] <= 128 and v.shape[3] <= 128 and has_stages(family, q.device)
+    return "relay" if native and W <= _RELAY_MAX_RANKS else "affine"
+
+
 # ---------------------------------------------------------------- local pieces
 def _core(fwd, q, k, v, g, beta, scale, h0, cu):
     """The core op, also for zero tokens (the state passes through; native kernels never see T == 0)."""
@@ -152,13 +344,15 @@ def _apply_state(oP, oQ, S_in, dtype):
 
 def _cp(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens, state_v_first,
-        A_log, dt_bias, group, continues_from_prev, transition, kwargs):
+        A_log, dt_bias, group, continues_from_prev, transition, schedule, kwargs):
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"[{op}] torch.distributed is not initialized: call init_process_group first")
     group = group if group is not None else dist.group.WORLD
     W, rank = _group_info(group)
     if transition not in _TRANSITIONS:
         raise ValueError(f"[{op}] transition must be one of {_TRANSITIONS}, got {transition!r}")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"[{op}] schedule must be one of {_SCHEDULES}, got {schedule!r}")
     if continues_from_prev is None:
         if cu_seqlens is not None:
             raise ValueError(f"[{op}] with cu_seqlens pass continues_from_prev=True/False explicitly: whether this "
@@ -183,6 +377,10 @@ def _cp(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, 
     fwd = getattr(ops, f"{family}_chunk_fwd")
     cont = continues_from_prev
     anchor = next((x for x in (q, k, v, g, beta, h0) if x is not None and x.requires_grad), None)
+
+    if W > 1 and _pick_schedule(schedule, family, q, v, W) == "relay":
+        o, final = _Relay.apply(q, k, v, g, beta, h0, scale, cu, family, group, cont)
+        return o, (_from_k_first(final, state_v_first) if output_final_state else None)
 
     def scan(P, Q):
         return _StateScan.apply(P, Q, group, anchor if torch.is_grad_enabled() else None)
@@ -227,7 +425,7 @@ def _cp(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, 
 def chunk_kda_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                  allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
-                 dt_bias=None, *, group=None, continues_from_prev=None, transition="fused", **kwargs):
+                 dt_bias=None, *, group=None, continues_from_prev=None, transition="fused", schedule="auto", **kwargs):
     """chunk_kda over a sequence split along time across the ranks of `group` (None: the default group).
 
     Every rank of the group calls this with its own slice (same B, H, HV, K, V, dtype and options on every rank;
@@ -241,24 +439,28 @@ def chunk_kda_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_
     sequence 0 continues the previous rank's last local sequence; initial_state row 0 is then ignored. Row n of
     final_state is the state after local sequence n's last token on this rank. `split_varlen` builds all this
     from a global cu_seqlens. A_log / dt_bias gradients cover the local tokens only: sum them over the group.
-    transition: 'fused' (one core call at value width K+V) or 'split' (two calls, widths K and V).
+    schedule: 'relay' (the state passes rank to rank; each rank runs its slice once, the staged kernels' state-
+    independent work overlapping the wait), 'affine' (every rank computes its slice's affine map at value width
+    K+V, one all_gather scan; `transition` applies) or 'auto' (relay where the staged kernels run -- the CUDA build,
+    K and V <= 128 -- with at most 4 ranks, else affine). docs/context_parallel.md compares them.
+    transition: 'fused' (one core call at value width K+V) or 'split' (two calls, widths K and V); affine only.
     """
     return _cp("chunk_kda_cp", "kda", q, k, v, g, beta, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, group, continues_from_prev, transition,
-               kwargs)
+               schedule, kwargs)
 
 
 def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                               cu_seqlens=None, state_v_first=False, A_log=None, dt_bias=None, *, group=None,
-                              continues_from_prev=None, transition="fused", **kwargs):
+                              continues_from_prev=None, transition="fused", schedule="auto", **kwargs):
     """chunk_gated_delta_rule over a sequence split across the ranks of `group`; see chunk_kda_cp."""
     return _cp("chunk_gated_delta_rule_cp", "gdn", q, k, v, g, beta, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, group, continues_from_prev, transition,
-               kwargs)
+               schedule, kwargs)
 
 
 @dataclass
