@@ -53,6 +53,12 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
     ap.add_argument("--shares", default="even,auto", help="rank 0's share of the tokens: even, auto or a number")
     ap.add_argument("--transition", default="fused", choices=["fused", "split"])
+    ap.add_argument("--schedules", default="relay,affine",
+                    help="CP schedules to time (comma-separated): relay (state passed rank to rank, staged kernels) "
+                         "and/or affine (all_gather scan of the slices' maps)")
+    ap.add_argument("--relay-shares", default="even,0.45",
+                    help="rank 0's share of the tokens under the relay: even or a number ('auto' is the affine "
+                         "schedule's balance and does not apply)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--nprocs", type=int, default=None, help="ranks to spawn (default: GPUs visible, 2 for --smoke)")
@@ -100,20 +106,27 @@ def load_package(args):
 
 
 class ByteCounter:
-    """Wraps the package's all_gather helper: counts what this rank sends, (W-1) x payload per call."""
+    """Wraps the package's collective helpers and counts what this rank sends: (W-1) x payload per all_gather (a
+    ring), the payload per point-to-point send (the relay)."""
 
     def __init__(self, cp, world):
         self.cp, self.world, self.calls = cp, world, []
-        self.inner = cp._all_gather
+        gather, send = cp._all_gather, cp._send
 
-        def counted(x, group):
-            self.calls.append(x.numel() * x.element_size())
-            return self.inner(x, group)
-        cp._all_gather = counted
+        def counted_gather(x, group):
+            self.calls.append(("all_gather", x.numel() * x.element_size() * (self.world - 1)))
+            return gather(x, group)
+
+        def counted_send(x, dst, group):
+            self.calls.append(("send", x.numel() * x.element_size()))
+            return send(x, dst, group)
+        cp._all_gather, cp._send = counted_gather, counted_send
 
     def take(self):
         calls, self.calls = self.calls, []
-        return dict(calls=len(calls), payload_bytes=calls, sent_bytes=sum(calls) * (self.world - 1))
+        kinds = sorted({k for k, _ in calls})
+        return dict(calls=len(calls), kinds=kinds, payload_bytes=[b for _, b in calls],
+                    sent_bytes=sum(b for _, b in calls))
 
 
 def make_inputs(torch, family, T, H, HV, K, V, dtype, device, seed, requires_grad):
@@ -258,7 +271,8 @@ def worker(rank, world, args, store_path):
     results = []
     if args.check and not args.smoke:  # the equality on the real devices and transport (NCCL on GPUs)
         try:
-            results.append(dict(check=smoke_check(torch, dist, mod, cp, rank, world, device)))
+            results.append(dict(check=smoke_check(torch, dist, mod, cp, rank, world, device,
+                                                  args.schedules.split(","))))
         except SystemExit as e:  # every rank sees the same all-reduced errors, so all record it and go on
             results.append(dict(check_failed=str(e)))
             log(rank, f"CHECK FAILED: {e}")
@@ -295,7 +309,11 @@ def worker(rank, world, args, store_path):
                     dist.barrier()
                 plain_per_token = gather_floats(single["ms"] / T if single and "ms" in single else 0.0)[0] or None
                 per_rank_even = None
-                for share in args.shares.split(","):
+                runs = [(sched, share) for sched in args.schedules.split(",")
+                        for share in (args.relay_shares if sched == "relay" else args.shares).split(",")]
+                for schedule, share in runs:
+                    if schedule == "relay" and share == "auto":
+                        continue
                     sb = rank0_shares(share, world, T, per_rank_even, plain_per_token)
                     if sb is None:
                         continue
@@ -304,7 +322,7 @@ def worker(rank, world, args, store_path):
                     xs = make_inputs(torch, family, b - a, H, HV, K, V, dtype, device, 1 + rank,
                                      mode == "fwdbwd")
                     grad_o = torch.randn(1, b - a, HV, V, device=device, dtype=dtype) if mode == "fwdbwd" else None
-                    kw = dict(use_qk_l2norm_in_kernel=True, transition=args.transition)
+                    kw = dict(use_qk_l2norm_in_kernel=True, transition=args.transition, schedule=schedule)
                     if use_cuda:
                         torch.cuda.reset_peak_memory_stats(device)
                     run = step_fn(torch, cp_fn, xs, mode, grad_o, kw)
@@ -323,16 +341,18 @@ def worker(rank, world, args, store_path):
                     per_rank = gather_floats(statistics.median(own))
                     peak = gather_floats(torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else 0.0)
                     sent_all = gather_floats(float(sent["sent_bytes"]))
-                    entry = dict(share=share, rank0_fraction=x, bounds=bounds, ms=statistics.median(step),
+                    entry = dict(schedule=schedule, share=share, rank0_fraction=x, bounds=bounds, ms=statistics.median(step),
                                  ms_all=step, per_rank_ms=per_rank, peak_gib=peak, sent_bytes_per_rank=sent_all,
-                                 collective_calls=sent["calls"], payload_bytes=sent["payload_bytes"])
+                                 collective_calls=sent["calls"], collective_kinds=sent["kinds"],
+                                 payload_bytes=sent["payload_bytes"])
                     rec["cp"].append(entry)
-                    if share == "even":
+                    if share == "even" and schedule == "affine":
                         per_rank_even = [t / max(1, bb - aa) for t, aa, bb in zip(per_rank, bounds, bounds[1:])]
-                    log(rank, f"{family} T={T} {mode} CP x{world} share {share} ({x:.3f}, bounds {bounds}): "
+                    log(rank, f"{family} T={T} {mode} CP x{world} {schedule} share {share} ({x:.3f}, bounds {bounds}): "
                               f"{entry['ms']:.2f} ms (per rank {', '.join(f'{t:.2f}' for t in per_rank)}), "
                               f"sent/rank {', '.join(f'{s / 2**20:.3f}' for s in sent_all)} MiB in "
-                              f"{sent['calls']} all_gather(s), peak {', '.join(f'{p:.1f}' for p in peak)} GiB")
+                              f"{sent['calls']} {'/'.join(sent['kinds'])} call(s), peak "
+                              f"{', '.join(f'{p:.1f}' for p in peak)} GiB")
                     del xs, grad_o, run
                     if use_cuda:
                         torch.cuda.empty_cache()
@@ -340,11 +360,12 @@ def worker(rank, world, args, store_path):
                     for e in rec["cp"]:
                         e["speedup"] = single["ms"] / e["ms"]
                     log(rank, f"{family} T={T} {mode} speedup over one device: "
-                              + ", ".join(f"{e['share']} {e['speedup']:.2f}x" for e in rec["cp"]))
+                              + ", ".join(f"{e['schedule']} {e['share']} {e['speedup']:.2f}x" for e in rec["cp"]))
                 results.append(rec)
 
     if args.smoke:
-        results.append(dict(smoke_check=smoke_check(torch, dist, mod, cp, rank, world, device)))
+        results.append(dict(smoke_check=smoke_check(torch, dist, mod, cp, rank, world, device,
+                                                        args.schedules.split(","))))
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         tag = "smoke" if args.smoke else f"{'h200' if use_cuda else 'cpu'}_x{world}"
@@ -358,11 +379,12 @@ def worker(rank, world, args, store_path):
     dist.destroy_process_group()
 
 
-def smoke_check(torch, dist, mod, cp, rank, world, device):
-    """CP over an uneven split against one call over the whole sequence (all ranks build the same inputs)."""
+def smoke_check(torch, dist, mod, cp, rank, world, device, schedules=("affine",)):
+    """CP over an uneven split against one call over the whole sequence (all ranks build the same inputs), for each
+    schedule (on GPUs the relay runs the staged CUDA kernels)."""
     T, H, HV, K, V = 300, 2, 4, 16, 16
     out = {}
-    for family in ("gdn", "kda"):
+    for family, schedule in ((f, sc) for f in ("gdn", "kda") for sc in schedules):
         xs = make_inputs(torch, family, T, H, HV, K, V, torch.float32, device, 7, True)
         gen = torch.Generator(device=device).manual_seed(8)  # the same h0 and grad_o on every rank
         h0 = torch.randn(1, HV, K, V, device=device, generator=gen).requires_grad_(True)
@@ -376,7 +398,7 @@ def smoke_check(torch, dist, mod, cp, rank, world, device):
         a, b = bounds[rank], bounds[rank + 1]
         loc = [x.detach()[:, a:b].clone().requires_grad_(True) for x in xs]
         o2, _ = cp_fn(*loc, initial_state=h0.detach() if rank == 0 else None, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
+                      use_qk_l2norm_in_kernel=True, schedule=schedule)
         (o2 * go[:, a:b]).sum().backward()
         mine = [o2.detach()] + [x.grad for x in loc]
         errs = []
@@ -386,11 +408,12 @@ def smoke_check(torch, dist, mod, cp, rank, world, device):
                                device=device)
             dist.all_reduce(num)
             errs.append(float((num[0] / num[1]).sqrt()))
-        out[family] = dict(zip(("o", "dq", "dk", "dv", "dg", "dbeta"), errs))
-        log(rank, f"smoke check {family}: CP x{world} vs one rank, relative RMS " +
-            ", ".join(f"{n} {e:.1e}" for n, e in out[family].items()))
+        key = f"{family}_{schedule}"
+        out[key] = dict(zip(("o", "dq", "dk", "dv", "dg", "dbeta"), errs))
+        log(rank, f"smoke check {family} {schedule}: CP x{world} vs one rank, relative RMS " +
+            ", ".join(f"{n} {e:.1e}" for n, e in out[key].items()))
         if max(errs) > 1e-5:
-            raise SystemExit(f"smoke check failed: {out[family]}")
+            raise SystemExit(f"smoke check failed: {key} {out[key]}")
     return out
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Plot a context-parallel benchmark JSON (benchmark_cp.py): speedup of W ranks over one device per family,
-sequence length and mode, for each rank-0 share, with the bound (1 + c) / c that the per-rank costs imply.
+sequence length and mode, for each schedule (relay / affine) and rank-0 share, with the affine schedule's bound
+(1 + c) / c that its per-rank costs imply.
 
     python benchmarks/cp/plot_cp.py benchmarks/cp/results/cp_h200_x2_<stamp>.json   # writes <same name>.png
 """
@@ -32,9 +33,10 @@ def main(path):
         labels.append(f"{r['family']} {r['mode']}\nT={r['T'] // 1024}k")
         best = None
         for e in r["cp"]:
-            bars.setdefault(e["share"], []).append(e.get("speedup", 0.0))
-            shares.setdefault(e["share"], []).append(e["rank0_fraction"])
-            if e["share"] == "auto":
+            key = f"{e.get('schedule', 'affine')} {e['share']}"  # results before session 6: affine only
+            bars.setdefault(key, []).append(e.get("speedup", 0.0))
+            shares.setdefault(key, []).append(e["rank0_fraction"])
+            if e["share"] == "auto" and e.get("schedule", "affine") == "affine":
                 best = bound(e, r["single"]["ms"], r["T"])
         bounds.append(best[0] if best else None)
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -42,12 +44,12 @@ def main(path):
     width = 0.8 / max(1, n)
     for i, (share, ys) in enumerate(bars.items()):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(ys))]
-        ax.bar(xs, ys, width, label=f"share {share}")
+        ax.bar(xs, ys, width, label=share)
         for x, y in zip(xs, ys):
             ax.text(x, y + 0.02, f"{y:.2f}", ha="center", fontsize=7)
     for j, b in enumerate(bounds):
         if b:
-            ax.plot([j - 0.4, j + 0.4], [b, b], "k:", lw=1, label="(1+c)/c bound" if j == 0 else None)
+            ax.plot([j - 0.4, j + 0.4], [b, b], "k:", lw=1, label="affine (1+c)/c bound" if j == 0 else None)
     ax.axhline(1.8, color="r", lw=1, ls="--", label="target 1.8x")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(labels)))
