@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "delta_chunk_bwd.cuh"
+#include "delta_chunk_bwd_prep.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -101,6 +102,12 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
   allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
+  // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
+  auto prep3_bf16 = cb::prep3_kernel<PC, __nv_bfloat16>();
+  auto prep3_f16 = cb::prep3_kernel<PC, __half>();
+  constexpr size_t prep3_smem = cb::prep3_smem<PC>();
+  allow_dynamic_smem(prep3_bf16, prep3_smem, /*max_carveout=*/true);
+  allow_dynamic_smem(prep3_f16, prep3_smem, /*max_carveout=*/true);
   allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
   allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
@@ -114,11 +121,16 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   const int nsl = (s.V + cb::VS - 1) / cb::VS;
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    // prep: forward substitution in registers (default) or v1's (KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare)
-    if (env_int("KDA_CUDA_CHUNK_BWD_PREP", 2) == 1)
+    // prep: v3 on tensor cores (default for bf16/fp16 inputs; delta_chunk_bwd_prep.cuh), the fp32 SIMT v2 with
+    // the forward substitution in registers (KDA_CUDA_CHUNK_BWD_PREP=2, and always for fp32 inputs) or v1 (=1);
+    // the older two kept to compare
+    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 3);
+    if (prep_mode == 1)
       cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    else
+    else if (prep_mode == 2 || p.in_dtype == kF32)
       cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    else
+      (p.in_dtype == kBF16 ? prep3_bf16 : prep3_f16)<<<gchunks, cb::NT, prep3_smem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (s.N > 0 && s.HV > 0) {
