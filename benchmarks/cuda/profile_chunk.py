@@ -65,6 +65,9 @@ def main():
     ap.add_argument("--bwd-grad2", action="store_true",
                     help="also time the backward with the single grad2 kernel (KDA_CUDA_CHUNK_BWD_GRAD=2; the default "
                          "is the split grad3) as bwd_grad2")
+    ap.add_argument("--bwd-prep2", action="store_true",
+                    help="also time the backward with the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2; the default for "
+                         "bf16/fp16 inputs is the tensor-core prep v3) as bwd_prep2")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -86,7 +89,8 @@ def main():
                   (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
                    {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
-                  (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"})]
+                  (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"}),
+                  (args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "delta_chunk_bwd.cuh"
+#include "delta_chunk_bwd_prep.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -49,8 +50,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
     // dw is one more [chunks, HV, CH, KP] buffer.
     const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
-    // prep: forward substitution in registers (default) or v1's (KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare)
-    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 2);
+    // prep: v3 on tensor cores (default for bf16/fp16 inputs; delta_chunk_bwd_prep.cuh), the fp32 SIMT v2 with
+    // the forward substitution in registers (KDA_CUDA_CHUNK_BWD_PREP=2, and always for fp32 inputs) or v1 (=1);
+    // the older two kept to compare
+    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 3);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
     auto none = [&] { return at::empty({1}, f32); };
@@ -124,6 +127,9 @@ void chunk_bwd_set_smem() {
   namespace cb = chunk_bwd;
   allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
   allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
+  // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
+  allow_dynamic_smem(cb::prep3_kernel<PC, __nv_bfloat16>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
+  allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
   allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
   allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
@@ -148,10 +154,16 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    if (work[kBwCfg].data_ptr<int64_t>()[2] == 1)
+    const int64_t prep_mode = work[kBwCfg].data_ptr<int64_t>()[2];
+    if (prep_mode == 1) {
       cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    else
+    } else if (prep_mode == 2 || p.in_dtype == kF32) {
       cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    } else {
+      constexpr size_t prep3_smem = cb::prep3_smem<PC>();
+      if (p.in_dtype == kBF16) cb::prep3_kernel<PC, __nv_bfloat16>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
+      else cb::prep3_kernel<PC, __half>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
