@@ -20,12 +20,16 @@ struct ChunkBwdF32 {
 };
 
 // Work buffers of one backward call (V <= 128), shared by the one-call backward and its stages
-// (chunk_bwd_stage): indices into the list, then the buffers. cfg is a CPU int64 [4] = (state v2, grad mode,
-// prep mode, nc_max), the knobs as stage 0 read them, so that later stages cannot read them differently.
+// (chunk_bwd_stage): indices into the list, then the buffers. cfg is a CPU int64 [kBwCfgLen] (BwdCfg), the knobs
+// as stage 0 read them, so that later stages cannot read them differently.
 enum BwdWork {
   kBwOff = 0, kBwAqk, kBwAkk, kBwW, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w,
   kBwG3q, kBwG3k, kBwG3l, kBwCfg, kBwWorkSize
 };
+// cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
+// state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; 2 = state_fwd2 /
+// state_bwd2).
+enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
 // says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
@@ -76,18 +80,21 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     work[kBwG3q] = g3 && !v2 ? at::empty({ctile}, f32) : none();
     work[kBwG3k] = g3 && !v2 ? at::empty({ctile}, f32) : none();
     work[kBwG3l] = g3 && !v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
-    at::Tensor cfg = at::empty({4}, at::TensorOptions().dtype(at::kLong));
+    at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
-    c[0] = v2; c[1] = grad_mode; c[2] = prep_mode; c[3] = nc_max;
+    c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
+    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 2);
+    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 2);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
-                  work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == 4,
+                  work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == kBwCfgLen,
               "[", op, "] work must be the list stage 0 returned");
   const int64_t* c = work[kBwCfg].data_ptr<int64_t>();
-  const bool v2 = c[0] != 0;
-  const int grad_mode = static_cast<int>(c[1]);
-  TORCH_CHECK(work[kBwOff].numel() == s.N + 1 && work[kBwHs].numel() == std::max<int64_t>(c[3], 1) * s.HV * s.K * s.V,
+  const bool v2 = c[kCfgV2] != 0;
+  const int grad_mode = static_cast<int>(c[kCfgGrad]);
+  TORCH_CHECK(work[kBwOff].numel() == s.N + 1 &&
+                  work[kBwHs].numel() == std::max<int64_t>(c[kCfgChunks], 1) * s.HV * s.K * s.V,
               "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
   for (int i = 0; i < kBwCfg; ++i)
     TORCH_CHECK(work[i].defined() && work[i].device() == q.device(), "[", op, "] work[", i, "] is not on q's device");
@@ -140,8 +147,9 @@ void chunk_bwd_set_smem() {
   allow_dynamic_smem(cb::grad3_ch_kernel<PC>, cb::kGradSmem);
 }
 
-inline int64_t bwd_nc_max(const std::vector<at::Tensor>& work) { return work[kBwCfg].data_ptr<int64_t>()[3]; }
-inline bool bwd_v2(const std::vector<at::Tensor>& work) { return work[kBwCfg].data_ptr<int64_t>()[0] != 0; }
+inline int64_t bwd_cfg(const std::vector<at::Tensor>& work, BwdCfg i) { return work[kBwCfg].data_ptr<int64_t>()[i]; }
+inline int64_t bwd_nc_max(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgChunks); }
+inline bool bwd_v2(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgV2) != 0; }
 
 // Stage prep: the chunk table and the per-chunk products (no state needed).
 template <bool PC>
@@ -154,7 +162,7 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-    const int64_t prep_mode = work[kBwCfg].data_ptr<int64_t>()[2];
+    const int64_t prep_mode = bwd_cfg(work, kCfgPrep);
     if (prep_mode == 1) {
       cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     } else if (prep_mode == 2 || p.in_dtype == kF32) {
@@ -200,7 +208,7 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max <= 0 || s.HV <= 0) return;
   const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-  const int grad_mode = static_cast<int>(work[kBwCfg].data_ptr<int64_t>()[1]);
+  const int grad_mode = static_cast<int>(bwd_cfg(work, kCfgGrad));
   if (grad_mode == 1) {
     cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   } else if (grad_mode == 3) {
