@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cuda_backend import DEV, OPS, make_inputs  # noqa: E402  (loads / builds the CUDA variant)
+from test_cuda_backend import DEV, OPS, kk, make_inputs  # noqa: E402  (loads / builds the CUDA variant)
 
 CASES = {
     "T200_h0": dict(B=2, T=200, H=2, HV=2, init=True),
@@ -86,6 +86,13 @@ def test_bwd_stages_match_one_call(family, case, dtype, order):
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), (dq, dk, dv, dg, dbeta, dh0), ref):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
+
+
+def test_cuda_build_has_stages():
+    import importlib
+
+    ops_module = importlib.import_module(kk.__name__ + ".ops")
+    assert ops_module.has_stages("kda", DEV) and ops_module.has_stages("gdn", DEV)
 
 
 def test_stage_misuse_is_refused():
