@@ -70,7 +70,7 @@ def main():
                          "bf16/fp16 inputs is the tensor-core prep v3) as bwd_prep2")
     ap.add_argument("--bwd-state-fwd", default="",
                     help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_FWD values (2 the fp32 SIMT state_fwd2, 3 state_fwd3 "
-                         "3xTF32, the default for bf16/fp16 inputs, 4 state_fwd3 tf32) to also time the backward "
+                         "3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs) to also time the backward "
                          "with, each as bwd_state_fwdN")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))

@@ -84,10 +84,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
     c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
-    // state_fwd: 3 = state_fwd3 on tensor cores, 3xTF32 (default for bf16/fp16 inputs;
-    // delta_chunk_bwd_state_fwd3.cuh), 4 = it with one tf32 product (kept to compare), 2 = the fp32 SIMT
-    // state_fwd2 (always for fp32 inputs)
-    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 3);
+    // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
+    // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
+    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
+    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 2);
     work[kBwCfg] = cfg;
   }

@@ -15,10 +15,13 @@
 // the transposed ones): w of chunk c + 2 is issued once chunk c's U is formed, K Eend and Gam_last of chunk c + 1
 // at the start of chunk c, so each lands about a chunk step and a half ahead; u of the next chunk goes into
 // registers a step ahead. Two barriers per chunk step.
-// PRECISE (KDA_CUDA_CHUNK_BWD_STATE_FWD=3, the default): 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, the two
-// correction terms in their own accumulators so that the dependent chains stay short), about fp32 accuracy, as
-// the backward's prep v3 uses for everything it feeds the gradients. Not PRECISE (=4): one tf32 product, kept to
-// compare (faster; its products round operands to 10-bit mantissas).
+// Not PRECISE (KDA_CUDA_CHUNK_BWD_STATE_FWD=4, the default): one tf32 product per term (operands rounded to 10-bit
+// mantissas, fp32 accumulation and state). PRECISE (=3): 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, the two
+// correction terms in their own accumulators so that the dependent chains stay short), about fp32 accuracy.
+// Measured on the H200 (session 6, B1 T8192 H16 HV32 K=V=128 bf16): tf32 0.64 ms, 3xTF32 0.82 ms, state_fwd2
+// 1.29 ms. Gradients with bf16 inputs, relative RMS from state_fwd2's: tf32 dg / dbeta <= 7e-5 (DESIGN.md's bound
+// against float64: 0.02), dq / dk <= 4.2e-4 (bound 0.008; their error against float64, ~1.7e-3, is the bf16
+// rounding of the outputs); 3xTF32 <= 5e-7 / 3.4e-5 (benchmarks/results/h200_session6_statefwd3.log).
 #pragma once
 
 #include "delta_chunk_bwd.cuh"
@@ -207,7 +210,8 @@ __global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
         const Sf3A<PRECISE> a(make_float4(wr[8 * ks], wr[8 * LDW + 8 * ks], wr[8 * ks + 4], wr[8 * LDW + 8 * ks + 4]));
         const float* hb = hsm + (8 * ks + t4) * LDH + cw + gq;
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) sf3_mma<PRECISE>(acc[ks & 1][nt], cor[ks & 1][nt], a, hb[8 * nt], hb[4 * LDH + 8 * nt]);
+        for (int nt = 0; nt < NTW; ++nt)
+          sf3_mma<PRECISE>(acc[ks & 1][nt], cor[ks & 1][nt], a, hb[8 * nt], hb[4 * LDH + 8 * nt]);
       }
       const ChunkPos cp = seq_chunk(n, c, bos, len);
 #pragma unroll
@@ -262,7 +266,8 @@ __global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
         const float* ek = er + 8 * ks * LDE;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const Sf3A<PRECISE> a(make_float4(ek[16 * mt], ek[16 * mt + 8], ek[4 * LDE + 16 * mt], ek[4 * LDE + 16 * mt + 8]));
+          const float* e0 = ek + 16 * mt;
+          const Sf3A<PRECISE> a(make_float4(e0[0], e0[8], e0[4 * LDE], e0[4 * LDE + 8]));
 #pragma unroll
           for (int nt = 0; nt < NTW; ++nt) sf3_mma<PRECISE>(hacc[mt][nt], cor[mt][nt], a, b[nt][0], b[nt][1]);
         }
