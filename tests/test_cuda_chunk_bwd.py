@@ -142,7 +142,7 @@ def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_bf16"])
-@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2"])
+@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2", "STATE_FWD=2"])
 def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare), grad2 (=2; sub-block factorisation of the
     # intra-chunk decays, register back substitution; with the v1 state kernels too) and the default split grad3
@@ -152,15 +152,32 @@ def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # only the fp32 summation order differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
     # everything finite. PREP=2 (the fp32 SIMT prep) against the default tensor-core prep v3, which runs for
     # bf16/fp16 inputs only (fp32 inputs take the SIMT prep either way): every case in bf16; v3's products are
-    # 3xTF32 / exact bf16 with fp32 accumulation, so the fp32 outputs dg, dbeta, dh0 must agree to 1e-4
-    prep3 = knob == "PREP=2"
+    # 3xTF32 / exact bf16 with fp32 accumulation, so the fp32 outputs dg, dbeta, dh0 must agree to 1e-4. Likewise
+    # STATE_FWD=2 (the fp32 SIMT state_fwd2) against the default state_fwd3 on tensor cores, which runs for
+    # bf16/fp16 inputs only; its tf32 products (10-bit mantissas) move dg, dbeta by up to ~7e-5 relative RMS
+    # (H200, session 6; DESIGN.md's bound is 0.02), so 1e-3 there
+    prep3 = knob in ("PREP=2", "STATE_FWD=2")
+    tight = 1e-3 if knob == "STATE_FWD=2" else 1e-4
     dtype = torch.bfloat16 if case == "T200_bf16" or prep3 else torch.float32
     a, b = bwd_default_and_knob(family, case, dtype, 11, knob, monkeypatch)
     tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
         assert torch.isfinite(y).all(), name
-        assert_close(name, y.double().cpu(), x.double().cpu(), 1e-4 if prep3 and name in ("dg", "dbeta", "dh0") else tol)
+        fp32_out = name in ("dg", "dbeta", "dh0")
+        assert_close(name, y.double().cpu(), x.double().cpu(), tight if prep3 and fp32_out else tol)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunk_bwd_state_fwd3_many_chunks(family, dtype, monkeypatch):
+    # the tensor-core state_fwd3 (default for bf16/fp16 inputs) against the fp32 SIMT state_fwd2 over 16 chunks
+    # (its operand buffers cycle several times), extreme gates included; tf32 products: 1e-3 for the fp32 outputs
+    # (as test_chunk_bwd_grad_v1_matches_v2)
+    a, b = bwd_default_and_knob(family, "T1000", dtype, 17, "STATE_FWD=2", monkeypatch)
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert torch.isfinite(x).all(), name
+        assert_close(name, y.double().cpu(), x.double().cpu(), 0.008 if name in ("dq", "dk", "dv") else 1e-3)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])

@@ -68,6 +68,10 @@ def main():
     ap.add_argument("--bwd-prep2", action="store_true",
                     help="also time the backward with the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2; the default for "
                          "bf16/fp16 inputs is the tensor-core prep v3) as bwd_prep2")
+    ap.add_argument("--bwd-state-fwd", default="",
+                    help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_FWD values (2 the fp32 SIMT state_fwd2, 3 state_fwd3 "
+                         "3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs) to also time the backward "
+                         "with, each as bwd_state_fwdN")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -85,6 +89,8 @@ def main():
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
         extra = [(True, "fwd", f"fwd_scan{x}", {"KDA_CUDA_CHUNK_SCAN": x}) for x in args.scans.split(",") if x]
+        extra += [(True, "bwd", f"bwd_state_fwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_FWD": x})
+                  for x in args.bwd_state_fwd.split(",") if x]
         extra += [(args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
                   (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",

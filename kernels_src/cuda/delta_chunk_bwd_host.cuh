@@ -9,6 +9,7 @@
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_chunk_bwd_prep.cuh"
+#include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -83,7 +84,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
     c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
-    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 2);
+    // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
+    // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
+    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
+    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 2);
     work[kBwCfg] = cfg;
   }
@@ -140,6 +144,8 @@ void chunk_bwd_set_smem() {
   allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
   allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
+  allow_dynamic_smem(cb::state_fwd3_kernel<PC, true>, cb::kStateFwd3Smem);
+  allow_dynamic_smem(cb::state_fwd3_kernel<PC, false>, cb::kStateFwd3Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
   allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
@@ -183,8 +189,15 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   namespace cb = chunk_bwd;
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
-  if (bwd_v2(work)) cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
-  else cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
+  const int64_t mode = bwd_cfg(work, kCfgStateFwd);
+  if (!bwd_v2(work)) {
+    cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
+  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {  // tensor cores: bf16/fp16 inputs only
+    if (mode == 3) cb::state_fwd3_kernel<PC, true><<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
+    else cb::state_fwd3_kernel<PC, false><<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
+  } else {
+    cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

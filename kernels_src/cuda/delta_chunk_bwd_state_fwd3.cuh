@@ -1,0 +1,294 @@
+// state_fwd v3 of the chunked backward (issue #7, session 6): the forward-state recompute of state_fwd2_kernel
+// (delta_chunk_bwd.cuh) on tensor cores, for bf16/fp16 inputs (fp32 inputs keep state_fwd2). Same inputs and
+// outputs (Params of delta_chunk_bwd.cuh): per chunk c of a sequence, with S the state at the chunk's start,
+//   hs[c] = S,   U = u - w S  (stored to p.U),   S <- Diag(Gam_last) S + (K Eend)^T U,
+// reading wc, kendc [chunks, HV, CH, KP] (zero padded), glc [chunks, HV, KP] (written by the prep) and u
+// [tokens, HV, V]. hs and U are fp32.
+//
+// In the style of the forward's bulk-prefetch scan (delta_chunk_scan3_kernel, delta_chunk_fwd.cuh): one block of
+// 256 threads per (sequence, value head, VS = 32 columns of V), the state tile (KP x 32, fp32) in mma accumulator
+// registers with a copy in shared memory for the B fragments of U = u - w S; both contractions on mma.sync
+// m16n8k8 tf32 with fp32 accumulation. Warp w = 4 wc + wi: rows 16 wi .. 16 wi + 15 of U and rows 32 wi ..
+// 32 wi + 31 of S, columns 16 wc .. 16 wc + 15 of the block's 32.
+// The operands arrive ahead of use, double-buffered, with cp.async (16-byte pieces by every thread; padded rows,
+// conflict-free fragment reads: w rows of KP + 4 floats for its row-major A fragments, K Eend rows of KP + 8 for
+// the transposed ones): w of chunk c + 2 is issued once chunk c's U is formed, K Eend and Gam_last of chunk c + 1
+// at the start of chunk c, so each lands about a chunk step and a half ahead; u of the next chunk goes into
+// registers a step ahead. Two barriers per chunk step.
+// Not PRECISE (KDA_CUDA_CHUNK_BWD_STATE_FWD=4, the default): one tf32 product per term (operands rounded to 10-bit
+// mantissas, fp32 accumulation and state). PRECISE (=3): 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, the two
+// correction terms in their own accumulators so that the dependent chains stay short), about fp32 accuracy.
+// Measured on the H200 (session 6, B1 T8192 H16 HV32 K=V=128 bf16): tf32 0.64 ms, 3xTF32 0.82 ms, state_fwd2
+// 1.29 ms. Gradients with bf16 inputs, relative RMS from state_fwd2's: tf32 dg / dbeta <= 7e-5 (DESIGN.md's bound
+// against float64: 0.02), dq / dk <= 4.2e-4 (bound 0.008; their error against float64, ~1.7e-3, is the bf16
+// rounding of the outputs); 3xTF32 <= 5e-7 / 3.4e-5 (benchmarks/results/h200_session6_statefwd3.log).
+#pragma once
+
+#include "delta_chunk_bwd.cuh"
+#include "delta_chunk_fwd.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+namespace chunk_bwd {
+
+constexpr int kSf3Threads = 256;
+constexpr int kSf3LdW = KP + 4;  // w rows: A fragment (row gq, column t4) on bank 4 gq + t4
+constexpr int kSf3LdE = KP + 8;  // K Eend rows, read transposed: (row t4, column gq) on bank 8 t4 + gq
+constexpr int kSf3LdH = VS + 8;  // state and U tiles: B fragment (row t4, column gq) on bank 8 t4 + gq
+
+// shared memory, in floats (every offset a multiple of 4: 16-byte aligned)
+struct StateFwd3Smem {
+  static constexpr size_t w_off = 0;                               // 2 x [CH][kSf3LdW]
+  static constexpr size_t e_off = w_off + 2 * CH * kSf3LdW;        // 2 x [CH][kSf3LdE]
+  static constexpr size_t gl_off = e_off + 2 * CH * kSf3LdE;       // 2 x [KP]
+  static constexpr size_t h_off = gl_off + 2 * KP;                 // [KP][kSf3LdH]
+  static constexpr size_t u_off = h_off + KP * kSf3LdH;            // [CH][kSf3LdH]
+  static constexpr size_t bytes = (u_off + CH * kSf3LdH) * sizeof(float);
+};
+constexpr size_t kStateFwd3Smem = StateFwd3Smem::bytes;  // 168,960 bytes
+
+// A padded CH x KP chunk tile (global row stride KP) into shared rows of stride LD.
+template <int LD>
+__device__ __forceinline__ void sf3_ktile(float* dst, const float* src) {
+  for (int i = threadIdx.x; i < CH * (KP / 4); i += kSf3Threads) {
+    const int t = i / (KP / 4), c = (i % (KP / 4)) * 4;
+    cpa16(dst + t * LD + c, src + t * KP + c);
+  }
+}
+
+// c += a b on one 16x8x8 tile (a: the A fragment, b0 / b1: the B fragment). PRECISE: the cross terms a_lo b_hi
+// and a_hi b_lo go into e (added to c by the caller), a_hi b_hi into c.
+template <bool PRECISE>
+struct Sf3A {
+  uint32_t h[4], l[4];
+  __device__ __forceinline__ explicit Sf3A(const float4& a) {
+    const float x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      h[i] = to_tf32(x[i]);
+      l[i] = PRECISE ? to_tf32(x[i] - __uint_as_float(h[i])) : 0u;
+    }
+  }
+};
+
+template <bool PRECISE>
+__device__ __forceinline__ void sf3_mma(float* c, float* e, const Sf3A<PRECISE>& a, float b0, float b1) {
+  const uint32_t bh0 = to_tf32(b0), bh1 = to_tf32(b1);
+  if constexpr (PRECISE) {
+    const uint32_t bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
+    mma_tf32_raw(e, a.l[0], a.l[1], a.l[2], a.l[3], bh0, bh1);
+    mma_tf32_raw(e, a.h[0], a.h[1], a.h[2], a.h[3], bl0, bl1);
+  }
+  mma_tf32_raw(c, a.h[0], a.h[1], a.h[2], a.h[3], bh0, bh1);
+}
+
+template <bool PC, bool PRECISE>
+__global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
+  using S = StateFwd3Smem;
+  constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = kSf3LdH;
+  constexpr int NTW = 2;  // 8-column tiles per warp (16 columns)
+  constexpr int MT = 2;   // 16-row tiles of the state per warp (32 rows)
+  extern __shared__ __align__(16) float sm[];
+  float* hsm = sm + S::h_off;
+  float* Us = sm + S::u_off;
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int cw = 16 * wc;  // the warp's first column in the block's tile
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  const int off = p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
+
+  // the state: hacc[mt][nt][e] is row 32 wi + 16 mt + gq + 8 (e >> 1), column cw + 8 nt + 2 t4 + (e & 1)
+  float hacc[MT][NTW][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 32 * wi + 16 * mt + gq + 8 * (e >> 1), col = v0 + cw + 8 * nt + 2 * t4 + (e & 1);
+        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && col < V) ? p.h0[nbase + static_cast<int64_t>(r) * V + col] : 0.f;
+      }
+  auto put_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = 32 * wi + 16 * mt + gq + 8 * hr;
+          *reinterpret_cast<float2*>(hsm + r * LDH + cw + 8 * nt + 2 * t4) =
+              make_float2(hacc[mt][nt][2 * hr], hacc[mt][nt][2 * hr + 1]);
+        }
+  };
+  // a (row, column pair) of a [*, V] fp32 buffer: float2 when V is even (8-byte aligned), else per element
+  auto st_pair = [&](float* row, int col, float x0, float x1) {
+    if ((V & 1) == 0 && col + 1 < V) {
+      *reinterpret_cast<float2*>(row + col) = make_float2(x0, x1);
+    } else {
+      if (col < V) row[col] = x0;
+      if (col + 1 < V) row[col + 1] = x1;
+    }
+  };
+  auto store_hs = [&](int cid) {
+    float* dst = p.hs + (static_cast<size_t>(cid) * HV + hv) * K * V;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = 32 * wi + 16 * mt + gq + 8 * hr;
+          if (r < K)
+            st_pair(dst + static_cast<int64_t>(r) * V, v0 + cw + 8 * nt + 2 * t4, hacc[mt][nt][2 * hr],
+                       hacc[mt][nt][2 * hr + 1]);
+        }
+  };
+  // u rows 16 wi + gq + 8 (e >> 1), columns cw + 8 nt + 2 t4 + (e & 1) of chunk c (zeros past the chunk and V)
+  auto load_u = [&](float (&x)[NTW][4], int c) {
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = 16 * wi + gq + 8 * hr;
+      const float* row = p.u + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V);
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = v0 + cw + 8 * nt + 2 * t4 + j;
+          x[nt][2 * hr + j] = (t < cp.Cc && col < V) ? __ldg(row + col) : 0.f;
+        }
+    }
+  };
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  auto issue_w = [&](int c) { sf3_ktile<LDW>(sm + S::w_off + (c & 1) * CH * LDW, p.wc + tile(off + c)); };
+  auto issue_e = [&](int c) {
+    sf3_ktile<LDE>(sm + S::e_off + (c & 1) * CH * LDE, p.kendc + tile(off + c));
+    if (tid < KP / 4)
+      cpa16(sm + S::gl_off + (c & 1) * KP + 4 * tid, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * tid);
+  };
+
+  put_h();
+  // groups in flight, oldest first: w(c), K Eend(c), w(c + 1) at the start of chunk c (empty groups past the end)
+  if (nc > 0) issue_w(0);
+  cpa_commit();
+  if (nc > 0) issue_e(0);
+  cpa_commit();
+  if (nc > 1) issue_w(1);
+  cpa_commit();
+  float ucur[NTW][4] = {}, unext[NTW][4] = {};
+  if (nc > 0) load_u(ucur, 0);
+
+  for (int c = 0; c < nc; ++c) {
+    const int cid = off + c;
+    const float* wb = sm + S::w_off + (c & 1) * CH * LDW;
+    const float* eb = sm + S::e_off + (c & 1) * CH * LDE;
+    const float* gb = sm + S::gl_off + (c & 1) * KP;
+    cpa_wait<2>();  // w(c)
+    __syncthreads();  // w(c) from every thread; hsm complete; every warp finished chunk c - 1 (its K Eend buffer)
+    if (c + 1 < nc) issue_e(c + 1);
+    cpa_commit();
+    store_hs(cid);
+    if (c + 1 < nc) load_u(unext, c + 1);
+
+    {  // U = u - w S: rows 16 wi .., columns cw .. (two chains: even / odd k-steps)
+      float acc[2][NTW][4], cor[2][NTW][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][nt][e] = cor[i][nt][e] = 0.f;
+      const float* wr = wb + (16 * wi + gq) * LDW + t4;
+#pragma unroll
+      for (int ks = 0; ks < KP / 8; ++ks) {
+        const Sf3A<PRECISE> a(make_float4(wr[8 * ks], wr[8 * LDW + 8 * ks], wr[8 * ks + 4], wr[8 * LDW + 8 * ks + 4]));
+        const float* hb = hsm + (8 * ks + t4) * LDH + cw + gq;
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+          sf3_mma<PRECISE>(acc[ks & 1][nt], cor[ks & 1][nt], a, hb[8 * nt], hb[4 * LDH + 8 * nt]);
+      }
+      const ChunkPos cp = seq_chunk(n, c, bos, len);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int t = 16 * wi + gq + 8 * hr;
+        float* grow = p.U + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V);
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+          float x[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int e = 2 * hr + j;
+            float s = acc[0][nt][e] + acc[1][nt][e];
+            if constexpr (PRECISE) s += cor[0][nt][e] + cor[1][nt][e];
+            x[j] = ucur[nt][e] - s;
+          }
+          const int col = cw + 8 * nt + 2 * t4;
+          *reinterpret_cast<float2*>(Us + t * LDH + col) = make_float2(x[0], x[1]);
+          if (t < cp.Cc) st_pair(grow, v0 + col, x[0], x[1]);
+        }
+      }
+    }
+    cpa_wait<2>();  // K Eend(c), Gam_last(c)
+    __syncthreads();  // Us complete; K Eend(c) from every thread; every warp finished reading w(c) and hsm
+    if (c + 2 < nc) issue_w(c + 2);
+    cpa_commit();
+
+    {  // S <- Diag(Gam_last) S + (K Eend)^T U
+      float cor[MT][NTW][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float d0 = gb[32 * wi + 16 * mt + gq], d1 = gb[32 * wi + 16 * mt + gq + 8];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+          hacc[mt][nt][0] *= d0;
+          hacc[mt][nt][1] *= d0;
+          hacc[mt][nt][2] *= d1;
+          hacc[mt][nt][3] *= d1;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) cor[mt][nt][e] = 0.f;
+        }
+      }
+      const float* er = eb + t4 * LDE + 32 * wi + gq;  // A(m, t) = K Eend(t, m)
+#pragma unroll
+      for (int ks = 0; ks < CH / 8; ++ks) {
+        float b[NTW][2];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+          b[nt][0] = Us[(8 * ks + t4) * LDH + cw + 8 * nt + gq];
+          b[nt][1] = Us[(8 * ks + t4 + 4) * LDH + cw + 8 * nt + gq];
+        }
+        const float* ek = er + 8 * ks * LDE;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float* e0 = ek + 16 * mt;
+          const Sf3A<PRECISE> a(make_float4(e0[0], e0[8], e0[4 * LDE], e0[4 * LDE + 8]));
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) sf3_mma<PRECISE>(hacc[mt][nt], cor[mt][nt], a, b[nt][0], b[nt][1]);
+        }
+      }
+      if constexpr (PRECISE) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hacc[mt][nt][e] += cor[mt][nt][e];
+      }
+    }
+    put_h();  // (hsm was last read in chunk c's U, before the barrier above)
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ucur[nt][e] = unext[nt][e];
+  }
+}
+
+}  // namespace chunk_bwd
+}  // namespace cuda
+}  // namespace kda_kernels
