@@ -142,7 +142,7 @@ def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_bf16"])
-@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2"])
+@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2", "STATE_BWD=2"])
 def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare), grad2 (=2; sub-block factorisation of the
     # intra-chunk decays, register back substitution; with the v1 state kernels too) and the default split grad3
@@ -152,8 +152,10 @@ def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # only the fp32 summation order differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
     # everything finite. PREP=2 (the fp32 SIMT prep) against the default tensor-core prep v3, which runs for
     # bf16/fp16 inputs only (fp32 inputs take the SIMT prep either way): every case in bf16; v3's products are
-    # 3xTF32 / exact bf16 with fp32 accumulation, so the fp32 outputs dg, dbeta, dh0 must agree to 1e-4
-    prep3 = knob == "PREP=2"
+    # 3xTF32 / exact bf16 with fp32 accumulation, so the fp32 outputs dg, dbeta, dh0 must agree to 1e-4. Likewise
+    # STATE_BWD=2 (the fp32 SIMT state_bwd2) against the default state_bwd3 on tensor cores (3xTF32; bf16/fp16
+    # inputs only, so every case in bf16)
+    prep3 = knob in ("PREP=2", "STATE_BWD=2")
     dtype = torch.bfloat16 if case == "T200_bf16" or prep3 else torch.float32
     a, b = bwd_default_and_knob(family, case, dtype, 11, knob, monkeypatch)
     tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math

@@ -9,6 +9,7 @@
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_chunk_bwd_prep.cuh"
+#include "delta_chunk_bwd_state_bwd3.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -28,7 +29,8 @@ enum BwdWork {
 };
 // cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
 // state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; 2 = state_fwd2 /
-// state_bwd2).
+// state_bwd2; STATE_BWD 3 = state_bwd3 on tensor cores, 3xTF32, the default for bf16/fp16 inputs; 4 = it with
+// plain tf32, kept to measure).
 enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
@@ -84,7 +86,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     int64_t* c = cfg.data_ptr<int64_t>();
     c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 2);
-    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 2);
+    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 3);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -195,8 +197,19 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   namespace cb = chunk_bwd;
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
-  if (bwd_v2(work)) cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
-  else cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+  const int64_t mode = bwd_cfg(work, kCfgStateBwd);
+  // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, where the device offers its 217 KB of shared
+  // memory per block (else state_bwd2)
+  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32 &&
+      device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= static_cast<int>(cb::kStateBwd3Smem)) {
+    auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
+    allow_dynamic_smem(kern, cb::kStateBwd3Smem);
+    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if (bwd_v2(work)) {
+    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
+  } else {
+    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
