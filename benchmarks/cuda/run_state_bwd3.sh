@@ -8,7 +8,8 @@ source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1;
   python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'; } > "$OUT/env.txt" 2>&1
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-150} build_cuda 16
-grep -A3 -E "state_bwd3|state_bwd2" "$OUT/build.log" | grep -E "Compiling entry|registers|spill" > "$OUT/ptxas_state_bwd.txt"
+grep -A3 -E "state_bwd3|state_bwd2" "$OUT/build.log" | grep -E "Compiling entry|registers|spill" \
+  > "$OUT/ptxas_state_bwd.txt"
 XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 14"
 timeout ${CHECK_TIMEOUT:-40} python3 - <<'PY' 2>&1 | tee "$OUT/agree.txt"
 # B1 T8192 H16 HV32 K=V=128 bf16 (the benchmark shape): relative RMS difference of every output between modes
@@ -45,9 +46,11 @@ PY
 timeout ${TEST_TIMEOUT:-100} python3 -m pytest -q $XD tests/test_cuda_chunk_bwd.py tests/test_cuda_stages.py \
   -p no:cacheprovider > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -30 "$OUT/tests.log" | grep -vE "^\.|^s" | tail -25
-KDA_CUDA_CHUNK_BWD_STATE_BWD=4 timeout ${TEST4_TIMEOUT:-40} python3 -m pytest -q $XD tests/test_cuda_chunk_bwd.py \
+KDA_CUDA_CHUNK_BWD_STATE_BWD=4 timeout ${TEST4_TIMEOUT:-40} \
+  python3 -m pytest -q $XD tests/test_cuda_chunk_bwd.py \
   -k "test_chunk_bwd and (bf16 or fp16) and not matches" -p no:cacheprovider > "$OUT/tests_mode4.log" 2>&1
-echo "tests_mode4 rc=$?"; grep -E "passed|failed" "$OUT/tests_mode4.log" | tail -3; grep -E "^FAILED|Error:" "$OUT/tests_mode4.log" | head -8
+echo "tests_mode4 rc=$?"; grep -E "passed|failed" "$OUT/tests_mode4.log" | tail -3
+grep -E "^FAILED|Error:" "$OUT/tests_mode4.log" | head -8
 if [ $SECONDS -lt ${NCU_BEFORE_S:-250} ] && command -v ncu >/dev/null; then
   timeout $(( ${CALL_S:-285} - SECONDS )) ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats -k regex:state_bwd3 -c 1 \

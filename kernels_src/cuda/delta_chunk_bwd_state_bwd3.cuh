@@ -330,7 +330,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_kernel(Params p) {
         if (t >= cp.Cc) continue;
         float* row = p.dU + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) sb3_store_pair(row, v0 + cw + 8 * nt + 2 * t4, V, du[nt][2 * h], du[nt][2 * h + 1]);
+        for (int nt = 0; nt < 2; ++nt)
+          sb3_store_pair(row, v0 + cw + 8 * nt + 2 * t4, V, du[nt][2 * h], du[nt][2 * h + 1]);
       }
     }
     __syncthreads();  // dU complete; the dS1 copy consumed
