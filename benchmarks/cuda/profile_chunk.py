@@ -72,6 +72,10 @@ def main():
                     help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_FWD values (2 the fp32 SIMT state_fwd2, 3 state_fwd3 "
                          "3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs) to also time the backward "
                          "with, each as bwd_state_fwdN")
+    ap.add_argument("--bwd-state-bwd", default="",
+                    help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_BWD values (2 the fp32 SIMT state_bwd2, 3 "
+                         "state_bwd3 on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 4 it with plain "
+                         "tf32) to also time the backward with, each as bwd_state_bwdN")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -97,6 +101,8 @@ def main():
                    {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
                   (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"}),
                   (args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
+        extra += [(True, "bwd", f"bwd_state_bwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_BWD": x})
+                  for x in args.bwd_state_bwd.split(",") if x]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):

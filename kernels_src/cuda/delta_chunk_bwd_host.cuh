@@ -10,6 +10,7 @@
 #include "delta_chunk_bwd.cuh"
 #include "delta_chunk_bwd_prep.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
+#include "delta_chunk_bwd_state_bwd3.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -28,8 +29,7 @@ enum BwdWork {
   kBwG3q, kBwG3k, kBwG3l, kBwCfg, kBwWorkSize
 };
 // cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
-// state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; 2 = state_fwd2 /
-// state_bwd2).
+// state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
 enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
@@ -88,7 +88,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
-    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 2);
+    // state_bwd: 3 = state_bwd3 on tensor cores with 3xTF32 products (default for bf16/fp16 inputs; 1.19 vs
+    // state_bwd2's 1.94 ms, same shape and session; delta_chunk_bwd_state_bwd3.cuh), 4 = it with plain tf32 (0.84 ms;
+    // kept to measure), 2 = the fp32 SIMT state_bwd2 (always for fp32 inputs)
+    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 3);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -144,8 +147,6 @@ void chunk_bwd_set_smem() {
   allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
   allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
-  allow_dynamic_smem(cb::state_fwd3_kernel<PC, true>, cb::kStateFwd3Smem);
-  allow_dynamic_smem(cb::state_fwd3_kernel<PC, false>, cb::kStateFwd3Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
   allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
@@ -192,9 +193,12 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
   if (!bwd_v2(work)) {
     cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {  // tensor cores: bf16/fp16 inputs only
-    if (mode == 3) cb::state_fwd3_kernel<PC, true><<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
-    else cb::state_fwd3_kernel<PC, false><<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
+  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32 &&
+             device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= static_cast<int>(cb::kStateFwd3Smem)) {
+    // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
+    auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
+    allow_dynamic_smem(kern, cb::kStateFwd3Smem);
+    kern<<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
   } else {
     cb::state_fwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateFwd2Smem, st>>>(p);
   }
@@ -208,8 +212,19 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   namespace cb = chunk_bwd;
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
-  if (bwd_v2(work)) cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
-  else cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+  const int64_t mode = bwd_cfg(work, kCfgStateBwd);
+  // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, where the device offers its 217 KB of shared
+  // memory per block (else state_bwd2)
+  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32 &&
+      device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= static_cast<int>(cb::kStateBwd3Smem)) {
+    auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
+    allow_dynamic_smem(kern, cb::kStateBwd3Smem);
+    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if (bwd_v2(work)) {
+    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
+  } else {
+    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -303,9 +318,12 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
                              const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
   namespace cb = chunk_bwd;
   const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
-  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1)
-    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
   c10::cuda::CUDAGuard guard(q.device());
+  // the recurrent backward (exact) for K > 128, on request, and on devices without the shared memory of the
+  // chunked kernels' largest block (grad, kGradSmem ~226 KB: sm_90-class)
+  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1 ||
+      smem_optin() < static_cast<int>(cb::kGradSmem))
+    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
   TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
               op, "] grad_o must be contiguous, shaped like v, with q's dtype");
   std::optional<at::Tensor> dht;
@@ -362,6 +380,9 @@ std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, 
   TORCH_CHECK((stage == 0) == work_in.empty(), "[", op,
               "] stage 0 takes an empty work list, the later stages the one stage 0 returned");
   c10::cuda::CUDAGuard guard(q.device());
+  TORCH_CHECK(smem_optin() >= static_cast<int>(cb::kGradSmem), "[", op, "] the staged backward needs ", cb::kGradSmem,
+              " bytes of shared memory per block; this device offers ", smem_optin(),
+              " (sm_90-class GPUs have enough; elsewhere use the one-call op, which runs the recurrent backward)");
   TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
               op, "] grad_o must be contiguous, shaped like v, with q's dtype");
   std::vector<at::Tensor> work(work_in.begin(), work_in.end());

@@ -315,15 +315,26 @@ inline const float* chunk_fwd_h0(const char* op, const std::optional<at::Tensor>
   return initial_state->data_ptr<float>();
 }
 
+// Shared memory of the chunked forward's prep for these inputs (the largest block it launches): fp32 inputs the
+// generic 3xTF32 prep (~205 KB at K = 128: sm_90-class), bf16/fp16 the family's own prep (two blocks per SM).
+template <bool PC>
+size_t chunk_fwd_prep_smem(int K, bool precise) {
+  if (precise) return K <= 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes;
+  if constexpr (PC) return K <= 64 ? KdaPrepSmem<64>::bytes : KdaPrepSmem<128>::bytes;
+  else return K <= 64 ? GdnPrepSmem<64>::bytes : GdnPrepSmem<128>::bytes;
+}
+
 template <bool PC>
 DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& g, const at::Tensor& beta, double scale,
                          const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu) {
   const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
   kmax_for(s.K, op);
-  if (s.K > 128 || env_int("KDA_CUDA_CHUNK_FWD", 1) == 0)
-    return recurrent_fwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu);
   c10::cuda::CUDAGuard guard(q.device());
+  // the recurrent kernel (exact) for K > 128, on request, and on devices without the prep's shared memory
+  if (s.K > 128 || env_int("KDA_CUDA_CHUNK_FWD", 1) == 0 ||
+      smem_optin() < static_cast<int>(chunk_fwd_prep_smem<PC>(s.K, in_dtype_of(q, op) == kF32)))
+    return recurrent_fwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu);
   at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
   at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
   const float* h0 = chunk_fwd_h0(op, initial_state, q, ht);
@@ -356,6 +367,10 @@ std::vector<at::Tensor> chunk_fwd_stage(const char* op, at::TensorList work_in, 
   TORCH_CHECK(stage == 0 || stage == 1, "[", op, "] stage must be 0 (prep) or 1 (scan), got ", stage);
   TORCH_CHECK((stage == 0) == work_in.empty(), "[", op, "] stage 0 takes an empty work list, stage 1 the one stage 0 returned");
   c10::cuda::CUDAGuard guard(q.device());
+  const size_t need = chunk_fwd_prep_smem<PC>(s.K, in_dtype_of(q, op) == kF32);
+  TORCH_CHECK(smem_optin() >= static_cast<int>(need), "[", op, "] the staged forward needs ", need,
+              " bytes of shared memory per block; this device offers ", smem_optin(),
+              " (sm_90-class GPUs have enough; elsewhere use the one-call op, which runs the recurrent kernel)");
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<at::Tensor> work(work_in.begin(), work_in.end());
   int64_t max_chunks = 0;

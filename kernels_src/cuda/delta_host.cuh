@@ -60,7 +60,7 @@ inline void allow_dynamic_smem(Kernel* kern, size_t bytes, bool max_carveout = f
 }
 
 // Attribute A of the current device, queried once per device: a process may drive GPUs of different kinds (an
-// sm_80 next to an sm_90 must not inherit the first one's answer). Both attributes used here are > 0, so 0 marks
+// sm_80 next to an sm_90 must not inherit the first one's answer). Every attribute used here is > 0, so 0 marks
 // "not queried yet".
 template <cudaDeviceAttr A>
 inline int device_attr() {
@@ -96,6 +96,11 @@ inline const float* grad_state_data(const std::optional<at::Tensor>& grad_final_
   keep = grad_final_state->to(at::kFloat).contiguous();
   return keep.data_ptr<float>();
 }
+
+// Shared memory per block the current device lets a kernel opt into (H100/H200: 227 KB; A100: 163 KB; sm_86/89:
+// 99 KB). The chunked kernels' largest blocks need an sm_90-class device; elsewhere the hosts route to the
+// recurrent kernels (exact, slower) or refuse the staged ops with this number in the message.
+inline int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 struct Shapes {
   int B, T, H, K, HV, V, N;

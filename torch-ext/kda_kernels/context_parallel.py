@@ -191,11 +191,25 @@ class _NativeStages:
         return self.bs(work, 3, *x[:6], h0, x[6], grad_o, None)
 
 
+# The staged CUDA kernels' largest block (the backward's grad, kGradSmem in delta_chunk_bwd.cuh) needs this much
+# shared memory per block: sm_90-class GPUs (227 KB opt-in); A100 (163 KB) and sm_86/89 (99 KB) run the one-call
+# ops, whose hosts route to the recurrent kernels there.
+_STAGED_SMEM_BYTES = 230912
+
+
+def _native_stages_fit(family, q, v):
+    """The staged ops exist for q's device and fit this call's head dims and the device (tokens not considered)."""
+    if not (q.shape[3] <= 128 and v.shape[3] <= 128 and has_stages(family, q.device)):
+        return False
+    props = torch.cuda.get_device_properties(q.device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    return props.major in (9, 10) if optin is None else optin >= _STAGED_SMEM_BYTES
+
+
 def _stages_for(family, q, v):
-    """Native stages where this build has them for q's device and the call fits them (K, V <= 128, tokens > 0)."""
-    if q.shape[1] > 0 and q.shape[3] <= 128 and v.shape[3] <= 128 and has_stages(family, q.device):
-        return _NativeStages(family)
-    return _OneCallStages(family)
+    """Native stages where this build has them for q's device and the call fits them (K, V <= 128, tokens > 0,
+    enough shared memory per block); else the one-call ops."""
+    return _NativeStages(family) if q.shape[1] > 0 and _native_stages_fit(family, q, v) else _OneCallStages(family)
 
 
 class _Relay(torch.autograd.Function):
@@ -297,7 +311,8 @@ def _pick_schedule(schedule, family, q, v, W):
     else the affine scan."""
     if schedule != "auto":
         return schedule
-    native = q.shape[3] <= 128 and v.shape[3] <= 128 and has_stages(family, q.device)
+    # (independent of the slice's length: every rank must pick the same schedule, and slices may be empty)
+    native = _native_stages_fit(family, q, v)
     return "relay" if native and W <= _RELAY_MAX_RANKS else "affine"
 
 
