@@ -4,7 +4,8 @@
 #   chunked fwd / bwd benchmarks beside fla -> the context-parallel benchmark on both GPUs (NCCL, NVLink multicast
 #   off), with its CP == one-rank check for every schedule.
 # Carries flash-linear-attention 0.6.0 as wheels in .whl/ (carry=[".whl"]). Phase time limits are env vars;
-# TEST_FILES, CP_T, CP_SCHEDULES (relay,affine), CP_RELAY_SHARES (even,0.45), CP_SHARES (affine: even,auto).
+# TEST_FILES, FLA_STEPS (fwd,bwd), CP_T, CP_MODES (fwd,fwdbwd), CP_SCHEDULES (relay,affine), CP_RELAY_SHARES
+# (even,0.45), CP_SHARES (affine: even,auto).
 export NCCL_NVLS_ENABLE=0
 source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
@@ -22,15 +23,20 @@ tests_pid=$!
 ( export CUDA_VISIBLE_DEVICES=0
   echo "== profile_chunk"; timeout 60 python3 benchmarks/cuda/profile_chunk.py > "$OUT/kernel_times.json"
   if [ "${FLA:-0}" = 1 ]; then
-    echo "== bench_chunk_fwd"; BENCH_BUDGET_S=${FWD_BUDGET:-70} timeout ${FWD_TIMEOUT:-100} python3 benchmarks/cuda/bench_chunk_fwd.py
-    echo "== bench_chunk_bwd"; BENCH_NSHAPES=${BWD_NSHAPES:-1} timeout ${BWD_TIMEOUT:-90} python3 benchmarks/cuda/bench_chunk_bwd.py
+    for step in ${FLA_STEPS:-fwd bwd}; do
+      if [ "$step" = fwd ]; then
+        echo "== bench_chunk_fwd"; BENCH_BUDGET_S=${FWD_BUDGET:-70} timeout ${FWD_TIMEOUT:-100} python3 benchmarks/cuda/bench_chunk_fwd.py
+      else
+        echo "== bench_chunk_bwd"; BENCH_NSHAPES=${BWD_NSHAPES:-1} timeout ${BWD_TIMEOUT:-90} python3 benchmarks/cuda/bench_chunk_bwd.py
+      fi
+    done
   fi
 ) >> "$LOG" 2>&1
 wait $tests_pid
 { echo "== tests (GPU 1)"; grep -v "^\s*$" /tmp/tests.log | tail -40; } >> "$LOG"
 tail -3 /tmp/tests.log
 echo "== context parallel (2 GPUs)" >> "$LOG"
-timeout ${CP_TIMEOUT:-300} python3 benchmarks/cp/benchmark_cp.py --check --T ${CP_T:-131072,524288} \
+timeout ${CP_TIMEOUT:-300} python3 benchmarks/cp/benchmark_cp.py --check --T ${CP_T:-131072,524288} --modes ${CP_MODES:-fwd,fwdbwd} \
   --schedules ${CP_SCHEDULES:-relay,affine} --relay-shares ${CP_RELAY_SHARES:-even,0.45} --shares ${CP_SHARES:-even,auto} \
   --warmup 1 --iters ${CP_ITERS:-3} --out "$OUT" >> "$LOG" 2>&1
 echo "cp exit $?" >> "$LOG"
