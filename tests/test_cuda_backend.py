@@ -311,11 +311,7 @@ def test_public_api_autograd_and_decode(family):
 # shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
 # items per warp), and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape
 # kernels, other shapes the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
-# "bulk1"/"bulk2": the persistent bulk-copy kernel (delta_decode_bulk.cuh, KDA_CUDA_DEC_V2=1|2: small/large buffer
-# ring) forced for every batch size; "bulk2h3" the same with both cache hints (KDA_CUDA_DEC_V2_HINT=3). Shapes
-# other than K = V = 128 ignore KDA_CUDA_DEC_V2 and run the generic kernel. The cfg/stage variants pin
-# KDA_CUDA_DEC_V2=0 so that they keep testing the per-column-slice kernel at every batch size.
-DEC_VARIANTS = [f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general", "bulk1", "bulk2", "bulk2h3"]
+DEC_VARIANTS = [f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
 
 
 def _dec_env(monkeypatch, variant):
@@ -323,11 +319,6 @@ def _dec_env(monkeypatch, variant):
         monkeypatch.setenv("KDA_CUDA_DECODE", "0")
         return
     monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    if variant.startswith("bulk"):
-        monkeypatch.setenv("KDA_CUDA_DEC_V2", variant[4])
-        monkeypatch.setenv("KDA_CUDA_DEC_V2_HINT", variant[6:] if "h" in variant else "0")
-        return
-    monkeypatch.setenv("KDA_CUDA_DEC_V2", "0")
     monkeypatch.setenv("KDA_CUDA_DEC_CFG", variant[3])
     monkeypatch.setenv("KDA_CUDA_DEC_STAGE", variant[-1])
 

@@ -10,15 +10,11 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
 with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
 (kda_chunk_prep.cuh; test_kda_prep_new_vs_old against KDA_CUDA_KDA_PREP=0). The scan is the bulk-prefetch kernel
-delta_chunk_scan3_kernel without a cluster (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16 and its
+delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16, V <= 256 and its
 blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls, fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
 delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
-pre-Hopper GPUs) against the float64 reference. KDA_CUDA_CHUNK_SCAN=2 splits the single kernel (sequential
-delta_chunk_state_kernel + parallel delta_chunk_out_kernel): test_chunk_fwd_split_scan (float64 reference),
-test_chunk_scan_split_vs_old (both in one process) and test_chunk_fwd_scan_bv32 (32-column state kernel) cover it.
-KDA_CUDA_CHUNK_SCAN=3 runs delta_chunk_scan3_kernel with clusters (bf16 workspace, V <= 256; elsewhere the single
-kernel), 4 (default) without: test_chunk_fwd_scan3 (float64 reference), test_chunk_scan3_vs_single
-(against the single kernel, and 3 against 4 bit for bit) and the CUDA-graph replay cover them.
+pre-Hopper GPUs) against the float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks),
+test_chunk_scan3_vs_single (against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan.
 """
 import importlib.util
 import subprocess
@@ -94,8 +90,8 @@ CASES = {
     "odd_kv": dict(K=40, V=30, T=77),
     "wide_v": dict(K=128, V=80, T=66, HV=2, H=2),
     "cp_width_v256": dict(K=128, V=256, T=130, HV=2, H=1),  # the context-parallel transition's width K + V
-    "v200": dict(K=128, V=200, T=130, HV=2, H=1),  # a partial 64-column block of the split scan's output kernel
-    "odd_v": dict(K=64, V=37, T=70, HV=2, H=2),  # odd V: element stores / loads of h_c, U and o
+    "v200": dict(K=128, V=200, T=130, HV=2, H=1),  # a partial last column block (7 of 32 columns, 4 of 64)
+    "odd_v": dict(K=64, V=37, T=70, HV=2, H=2),  # odd V: element loads of u0 and stores of o
     "varlen": dict(cu=[0, 0, 70, 70, 135, 136, 300]),
     "varlen_extreme": dict(cu=[0, 64, 64, 65, 193], extreme=True),
 }
@@ -169,11 +165,10 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
-@pytest.mark.parametrize("scan", ["split", "single", "scan3", "scan3_nocluster", "scan3_bv64"])
+@pytest.mark.parametrize("scan", ["single", "scan3", "scan3_bv64"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN",
-                       {"split": "2", "single": "1", "scan3": "3", "scan3_nocluster": "4", "scan3_bv64": "3"}[scan])
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1" if scan == "single" else "4")
     monkeypatch.setenv("KDA_CUDA_SCAN3_BV", "64" if scan == "scan3_bv64" else "32")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
@@ -218,17 +213,6 @@ def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T200", "extreme_gates", "varlen", "odd_kv", "wide_v", "gva_4x"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_split_scan(family, case, dtype, monkeypatch):
-    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the float64 reference."""
-    if dtype == torch.float16 and case not in ("extreme_gates", "varlen"):
-        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2")
-    run_case(family, case, dtype, h0_on=True)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T65", "T200", "T2048", "correlated_keys", "extreme_gates", "gva_4x", "kv64", "odd_kv",
                                   "wide_v", "v200", "odd_v", "varlen", "varlen_extreme"])
@@ -242,63 +226,26 @@ def test_chunk_fwd_single_scan(family, case, dtype, monkeypatch):
     run_case(family, case, dtype, h0_on=True)
 
 
-@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
-@pytest.mark.parametrize("case", ["T200", "T2048", "extreme_gates", "varlen", "odd_kv", "v200", "odd_v", "kv64"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_scan_bv32(family, case, ws, monkeypatch):
-    """The split scan's state kernel with 32-column blocks (KDA_CUDA_CHUNK_BV=32; the tests' shapes pick 16; fp32
-    inputs always take 16), bf16 inputs, both workspaces."""
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "2")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_BV", "32")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
-    run_case(family, case, torch.bfloat16, h0_on=True)
-
-
-@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T200", "T2048", "extreme_gates", "gva_4x", "kv64", "odd_kv", "wide_v", "v200",
-                                  "odd_v", "varlen", "varlen_extreme"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_scan_split_vs_old(family, case, dtype, ws, monkeypatch):
-    """The split scan (KDA_CUDA_CHUNK_SCAN=2) against the single scan kernel (1) in one process, same prep:
-    the recurrence is the same math in another summation order; o differs by the bf16 rounding of the stored
-    chunk-start states (bf16/fp16 inputs with the bf16 workspace) and by o's own rounding."""
-    if dtype == torch.float32 and ws == "ws_fp32":
-        pytest.skip("fp32 inputs always use the fp32 workspace (same as ws_bf16 for them)")
-    if dtype == torch.float16 and case not in ("T2048", "extreme_gates", "odd_v", "varlen"):
-        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    (o1, s1), (o2, s2) = fwd_per_knob(family, case, dtype, ws, "KDA_CUDA_CHUNK_SCAN", ("1", "2"), monkeypatch)
-    assert torch.isfinite(o2.float()).all() and torch.isfinite(s2).all()
-    if dtype == torch.float32:
-        assert_close("o (split vs single scan)", o1.cpu(), o2.cpu(), 1e-5)
-        assert_close("final_state (split vs single scan)", s1.cpu(), s2.cpu(), 1e-5)
-    else:
-        # bf16 h_c: up to ~0.0016 where q~ h dominates o, plus o's own rounding landing differently
-        assert_close("o (split vs single scan)", o1.float().cpu(), o2.float().cpu(), 3e-3 if ws == "ws_bf16" else 1e-3)
-        assert_close("final_state (split vs single scan)", s1.cpu(), s2.cpu(), 2e-4)
-
-
 SCAN3_CASES = ["T1", "T65", "T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1", "gva_4x",
                "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"]
 
 
 @pytest.mark.parametrize("bv", ["32", "64"], ids=["bv32", "bv64"])
-@pytest.mark.parametrize("mode", ["3", "4"], ids=["cluster", "nocluster"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", SCAN3_CASES)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_scan3(family, case, dtype, mode, bv, monkeypatch):
-    """The cluster scan (KDA_CUDA_CHUNK_SCAN=3; 4: without the cluster) against the float64 reference, 32-column
-    blocks (default) and 64 (KDA_CUDA_SCAN3_BV=64). Clusters (32 columns) of 1 (odd_kv, V=30), 2 (odd_v), 3
-    (wide_v), 4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the single kernel (a smoke test of
-    the fallback)."""
+def test_chunk_fwd_scan3(family, case, dtype, bv, monkeypatch):
+    """The bulk-prefetch scan (KDA_CUDA_CHUNK_SCAN=4) against the float64 reference, 32-column blocks (default) and
+    64 (KDA_CUDA_SCAN3_BV=64). Column blocks (32 columns) per head: 1 (odd_kv, V=30), 2 (odd_v), 3 (wide_v),
+    4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the single kernel (a smoke test of the
+    fallback)."""
     if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
     if dtype == torch.float32 and case not in ("T200", "varlen"):
         pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
     if bv == "64" and dtype != torch.bfloat16:
         pytest.skip("64-column blocks: bf16 suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "4")
     monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
     run_case(family, case, dtype, h0_on=case not in ("T1",))
 
@@ -308,9 +255,9 @@ def test_chunk_fwd_scan3(family, case, dtype, mode, bv, monkeypatch):
                                   "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
-    """The cluster scan (3) and its cluster-less twin (4) against the single scan kernel (1) in one process,
+    """The bulk-prefetch scan (4) with 32- and 64-column blocks against the single scan kernel (1) in one process,
     same prep and bf16 workspace: the same tf32 products in another fp32 summation order (two chains), so o agrees
-    up to its own rounding and the final state to ~1e-6; 3 and 4 run the same arithmetic and agree bit for bit."""
+    up to its own rounding and the final state to ~1e-6."""
     spec = dict(CASES[case])
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
@@ -319,18 +266,15 @@ def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
     out = {}
-    for sel, bv in (("1", "32"), ("3", "32"), ("4", "32"), ("3", "64"), ("4", "64")):
+    for sel, bv in (("1", "32"), ("4", "32"), ("4", "64")):
         monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
         monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
         out[sel + "_" + bv] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
     o1, s1 = out["1_32"]
-    for key in ("3_32", "3_64"):
-        o3, s3 = out[key]
-        assert torch.isfinite(o3.float()).all() and torch.isfinite(s3).all()
-        assert_close(f"o (scan {key} vs single scan)", o1.float().cpu(), o3.float().cpu(), 1e-3)
-        assert_close(f"final_state (scan {key} vs single scan)", s1.cpu(), s3.cpu(), 1e-4)
-    for bv in ("32", "64"):
-        (o3, s3), (o4, s4) = out["3_" + bv], out["4_" + bv]
-        assert torch.equal(o3, o4) and torch.equal(s3, s4), f"cluster and cluster-less scan3 differ (BV {bv})"
+    for key in ("4_32", "4_64"):
+        o4, s4 = out[key]
+        assert torch.isfinite(o4.float()).all() and torch.isfinite(s4).all()
+        assert_close(f"o (scan {key} vs single scan)", o1.float().cpu(), o4.float().cpu(), 1e-3)
+        assert_close(f"final_state (scan {key} vs single scan)", s1.cpu(), s4.cpu(), 1e-4)
     # the 32- and 64-column kernels run the same products per element in the same order
-    assert torch.equal(out["3_32"][0], out["3_64"][0]) and torch.equal(out["3_32"][1], out["3_64"][1])
+    assert torch.equal(out["4_32"][0], out["4_64"][0]) and torch.equal(out["4_32"][1], out["4_64"][1])

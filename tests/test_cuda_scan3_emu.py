@@ -1,23 +1,111 @@
-"""CPU emulation of the index math of the cluster scan of the CUDA chunked forward
-(kernels_src/cuda/delta_chunk_fwd.cuh: delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=3; MC=false is
-KDA_CUDA_CHUNK_SCAN=4; BV = 32 columns per block, or 64 with KDA_CUDA_SCAN3_BV=64).
+"""CPU emulation of the index math of the bulk-prefetch scan of the CUDA chunked forward
+(kernels_src/cuda/delta_chunk_fwd.cuh: delta_chunk_scan3_kernel, KDA_CUDA_CHUNK_SCAN=4; BV = 32 columns per block,
+or 64 with KDA_CUDA_SCAN3_BV=64).
 
 Runs without a GPU. It models the chunk's shared workspace region (w fp32, q~ / k~^T / A~ bf16, decay fp32; byte
-offsets of WsLayout<KP>(true)) at 2-byte granularity, replays the per-CTA pieces of the bulk (multicast) copies
-(16-byte units, at most 16 KB per instruction) into every CTA's double buffer, the mbarrier phase / parity schedule,
-and then the kernel block by block, warp by warp (8 warps: row block wi = w % 4, column half wc = w / 4) and lane
-by lane: the float4 / uint2 fragment reads from the shared buffer, the m16n8k8 fragments, the hs / Us tiles
-(stride 40), u0 from the row-major workspace section, the o and ht stores -- against the float64 recurrence.
+offsets of WsLayout<KP>(true)) at 2-byte granularity, replays the bulk copies (16-byte units, at most 16 KB per
+instruction) into every block's double buffer, the mbarrier phase / parity schedule, and then the kernel block by
+block, warp by warp (8 warps: row block wi = w % 4, column half wc = w / 4) and lane by lane: the float4 / uint2
+fragment reads from the shared buffer, the m16n8k8 fragments, the hs / Us tiles (stride 40), u0 from the row-major
+workspace section, the o and ht stores -- against the float64 recurrence.
 It does not test the CUDA code itself (tests/test_cuda_chunk_fwd.py does that on a GPU).
 """
 import numpy as np
 import pytest
 
-from test_cuda_scan_split_emu import C, LANES, GQ, T4, Counted, make_problem, mma_row_tiles, reference, to_frag
-
+C = 64
 NWARP = 8     # kScan3Threads / 32
 BULK_MAX = 16384
-MAX_CLUSTER = 8
+LANES = np.arange(32)
+GQ, T4 = LANES >> 2, LANES & 3
+
+
+def frag_index(r, c, KD):
+    """frag_index<KD> (delta_chunk_fwd.cuh): element (r, c) of a row-major [R x KD] A operand in fragment order."""
+    rr, cc = r & 15, c & 7
+    lane = ((rr & 7) << 2) | (cc & 3)
+    slot = (rr >> 3) | ((cc >> 2) << 1)
+    return ((((r >> 4) * (KD // 8) + (c >> 3)) << 5) + lane) * 4 + slot
+
+
+def to_frag(M, KD):
+    """A row-major [R x KD] matrix in fragment order (the workspace sections w, q~, k~^T, A~)."""
+    R = M.shape[0]
+    out = np.full(R * KD, np.nan)
+    for r in range(R):
+        for c in range(KD):
+            out[frag_index(r, c, KD)] = M[r, c]
+    return out
+
+
+def mma8(acc, a, b0, b1):
+    """acc[32, 4] += A B for one m16n8k8 tile: a[32, 4] the A fragment {(g, t), (g+8, t), (g, t+4), (g+8, t+4)},
+    b0 / b1 [32] the B fragment {(t, g), (t+4, g)}, acc {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}."""
+    A = np.zeros((16, 8))
+    B = np.zeros((8, 8))
+    A[GQ, T4], A[GQ + 8, T4], A[GQ, T4 + 4], A[GQ + 8, T4 + 4] = a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    B[T4, GQ], B[T4 + 4, GQ] = b0, b1
+    Cm = A @ B
+    acc[:, 0] += Cm[GQ, 2 * T4]
+    acc[:, 1] += Cm[GQ, 2 * T4 + 1]
+    acc[:, 2] += Cm[GQ + 8, 2 * T4]
+    acc[:, 3] += Cm[GQ + 8, 2 * T4 + 1]
+
+
+def mma_row_tiles(acc, a, Bs, ld, k0):
+    """acc[NT][32, 4]: one k-step against every 8-column tile of the row-major shared tile Bs (stride ld)."""
+    for nt in range(len(acc)):
+        mma8(acc[nt], a, Bs[(k0 + T4) * ld + nt * 8 + GQ], Bs[(k0 + T4 + 4) * ld + nt * 8 + GQ])
+
+
+class Counted:
+    """A flat output array that counts the writes of each element (each must be written exactly once)."""
+
+    def __init__(self, n, init=np.nan):
+        self.x = np.full(n, init)
+        self.count = np.zeros(n, np.int64)
+
+    def put(self, i, val, mask):
+        i, val = np.asarray(i)[mask], np.asarray(val)[mask]
+        np.add.at(self.count, i, 1)
+        self.x[i] = val
+
+
+def make_problem(rng, KP, K, V, lens, decay_min=0.3):
+    """Random per-chunk operands of a batch of sequences (global chunks in order), as the prep kernel leaves them
+    (padding rows/columns past K and past the chunk's L zero)."""
+    chunks = []
+    for n, ln in enumerate(lens):
+        for i in range((ln + C - 1) // C):
+            L = min(C, ln - i * C)
+            w = np.zeros((C, KP)); w[:L, :K] = rng.standard_normal((L, K)) * 0.1
+            qg = np.zeros((C, KP)); qg[:L, :K] = rng.standard_normal((L, K)) * 0.1
+            kgT = np.zeros((KP, C)); kgT[:K, :L] = rng.standard_normal((K, L)) * 0.1
+            aqk = np.tril(rng.standard_normal((C, C)) * 0.1); aqk[L:] = 0; aqk[:, L:] = 0
+            dec = np.ones(KP); dec[:K] = rng.uniform(decay_min, 1.0, K)
+            u0 = np.zeros((C, V)); u0[:L] = rng.standard_normal((L, V))
+            chunks.append(dict(n=n, i=i, L=L, tok0=sum(lens[:n]) + i * C, w=w, qg=qg, kgT=kgT, aqk=aqk, dec=dec,
+                               u0=u0))
+    return chunks
+
+
+def reference(chunks, lens, h0, K, V):
+    """float64: per chunk U = u0 - w h, o = q~ h + A~ U, h <- Diag(dec) h + k~^T U. Returns o {token: row}, ht."""
+    o, ht = {}, h0.copy()
+    cid = 0
+    for n, ln in enumerate(lens):
+        KP = chunks[0]["w"].shape[1] if chunks else K
+        hp = np.zeros((KP, V)); hp[:K] = h0[n]
+        for _ in range((ln + C - 1) // C):
+            ch = chunks[cid]
+            u = ch["u0"] - ch["w"] @ hp
+            oo = ch["qg"] @ hp + ch["aqk"] @ u
+            for r in range(ch["L"]):
+                o[ch["tok0"] + r] = oo[r]
+            hp = ch["dec"][:, None] * hp + ch["kgT"] @ u
+            cid += 1
+        ht[n] = hp[:K]
+    return o, ht
 
 
 def ws_layout(KP):
@@ -73,31 +161,21 @@ def build_region(ch, KP):
     return R
 
 
-def pieces(RB, rank, cs):
-    """The kernel's piece [pb0, pb1) of CTA rank and its bulk copies (byte offset, bytes)."""
-    units = RB // 16
-    per = (units + cs - 1) // cs
-    pb0, pb1 = min(units, rank * per) * 16, min(units, (rank + 1) * per) * 16
-    copies = []
-    b = pb0
-    while b < pb1:
-        nb = min(BULK_MAX, pb1 - b)
-        copies.append((b, nb))
-        b += BULK_MAX
-    return copies
+def copies(RB):
+    """The kernel's bulk copies of the region (byte offset, bytes): issue()'s loop."""
+    return [(b, min(BULK_MAX, RB - b)) for b in range(0, RB, BULK_MAX)]
 
 
-def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None, BV=32):
-    """delta_chunk_scan3_kernel<KP, mc, BV> for one value head (HV = 1), every (sequence) cluster. Returns o [T, V]
-    and ht (counted)."""
+def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mutate=None, BV=32):
+    """delta_chunk_scan3_kernel<KP, BV> for one value head (HV = 1), every sequence. Returns o [T, V] and ht
+    (counted)."""
     LDH = BV + 8  # Scan3Smem::LDH
     WC = BV // 2  # columns per warp
     NT = WC // 8
     L = ws_layout(KP)
     RB = region_bytes(KP)
     MT, KS, CSK = KP // 64, KP // 8, C // 8
-    cs = (V + BV - 1) // BV if mc else 1
-    assert 1 <= cs <= MAX_CLUSTER
+    assert V <= 256  # kScan3MaxV
     ncta = (V + BV - 1) // BV
     o = Counted(T_total * V)
     ht = Counted(len(lens) * K * V)
@@ -107,23 +185,20 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None, BV=32):
     for n, ln in enumerate(lens):
         nch = (ln + C - 1) // C
         bos = sum(lens[:n])
-        # the copies: every CTA's buffer image of every chunk (each byte written once by exactly one copy)
+        # the copies: every block's buffer image of every chunk (each byte written once by exactly one copy)
         bufs = {}
         for ci in range(nch):
             for dst in range(ncta):
                 img = Region(RB)
                 written = np.zeros(RB // 2, np.int64)
-                group = range(ncta) if mc else [dst]  # the CTAs whose pieces land in dst
-                for rank_i, src_cta in enumerate(group):
-                    rank = rank_i if mc else 0
-                    for b, nb in pieces(RB, rank, cs):
-                        assert b % 16 == 0 and nb % 16 == 0 and 0 < nb <= BULK_MAX
-                        img.u[b // 2:(b + nb) // 2] = regions[c_first[n] + ci].u[b // 2:(b + nb) // 2]
-                        written[b // 2:(b + nb) // 2] += 1
+                for b, nb in copies(RB):
+                    assert b % 16 == 0 and nb % 16 == 0 and 0 < nb <= BULK_MAX
+                    img.u[b // 2:(b + nb) // 2] = regions[c_first[n] + ci].u[b // 2:(b + nb) // 2]
+                    written[b // 2:(b + nb) // 2] += 1
                 assert np.all(written == 1), "region not covered exactly once"
                 bufs[ci, dst] = img
         # mbarrier schedule: chunk ci uses buffer ci & 1, its (ci >> 1)-th phase; issued at the start (ci < 2) or
-        # after every CTA finished chunk ci - 2, the last reader of that buffer
+        # after the block finished chunk ci - 2, the last reader of that buffer
         phase = [0, 0]
         for ci in range(nch):
             b = ci & 1
@@ -243,26 +318,25 @@ def emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=True, mutate=None, BV=32):
     return o, ht
 
 
-SHAPES = [
-    (128, 128, 128, [200]),        # the benchmark's head shape: a cluster of 4
-    (128, 128, 40, [70, 0, 130]),  # varlen with an empty sequence, a partial second block (cluster of 2)
+SHAPES = [  # KP, K, V (column blocks of 32), sequence lengths
+    (128, 128, 128, [200]),        # the benchmark's head shape: 4 column blocks
+    (128, 128, 40, [70, 0, 130]),  # varlen with an empty sequence, a partial second block
     (128, 100, 37, [65]),          # K < KP, odd V
-    (64, 64, 30, [129]),           # KP 64, a cluster of 1
-    (64, 40, 80, [64, 1]),         # cluster of 3 (pieces of unequal size)
-    (64, 64, 256, [70]),           # cluster of 8
+    (64, 64, 30, [129]),           # KP 64, one column block
+    (64, 40, 80, [64, 1]),         # 3 column blocks
+    (64, 64, 256, [70]),           # 8 column blocks (V = kScan3MaxV)
 ]
 
 
 @pytest.mark.parametrize("BV", [32, 64])
-@pytest.mark.parametrize("mc", [True, False])
 @pytest.mark.parametrize("KP,K,V,lens", SHAPES)
-def test_scan3(KP, K, V, lens, mc, BV):
+def test_scan3(KP, K, V, lens, BV):
     rng = np.random.default_rng(KP * 1000 + K * 10 + V)
     chunks = make_problem(rng, KP, K, V, lens)
     h0 = rng.standard_normal((len(lens), K, V)) * 0.5
     T_total = sum(lens)
-    o, ht = emu_scan3(chunks, lens, h0, KP, K, V, T_total, mc=mc, BV=BV)
-    _, _, o_ref, ht_ref = reference(chunks, lens, h0, K, V)
+    o, ht = emu_scan3(chunks, lens, h0, KP, K, V, T_total, BV=BV)
+    o_ref, ht_ref = reference(chunks, lens, h0, K, V)
     o_full = np.zeros((T_total, V))
     for t, row in o_ref.items():
         o_full[t] = row
@@ -272,16 +346,15 @@ def test_scan3(KP, K, V, lens, mc, BV):
     np.testing.assert_allclose(ht.x.reshape(len(lens), K, V), ht_ref, rtol=1e-9, atol=1e-9)
 
 
-def test_pieces_cover_region():
+def test_copies_cover_region():
     for KP in (64, 128):
         RB = region_bytes(KP)
         assert RB % 16 == 0
-        for cs in range(1, MAX_CLUSTER + 1):
-            cover = np.zeros(RB // 16, np.int64)
-            for rank in range(cs):
-                for b, nb in pieces(RB, rank, cs):
-                    cover[b // 16:(b + nb) // 16] += 1
-            assert np.all(cover == 1)
+        cover = np.zeros(RB // 16, np.int64)
+        for b, nb in copies(RB):
+            assert 0 < nb <= BULK_MAX and nb % 16 == 0
+            cover[b // 16:(b + nb) // 16] += 1
+        assert np.all(cover == 1)
 
 
 def test_smem_budget():
@@ -308,7 +381,7 @@ def test_emulator_sees_index_mutations():
     chunks = make_problem(rng, KP, K, V, lens)
     h0 = rng.standard_normal((1, K, V)) * 0.5
     o, ht = emu_scan3(chunks, lens, h0, KP, K, V, 100, mutate="cw")
-    _, _, o_ref, ht_ref = reference(chunks, lens, h0, K, V)
+    o_ref, ht_ref = reference(chunks, lens, h0, K, V)
     o_full = np.stack([o_ref[t] for t in range(100)])
     bad = (not np.all(o.count == 1)) or not np.allclose(np.nan_to_num(o.x.reshape(100, V)), o_full, atol=1e-6)
     assert bad

@@ -7,10 +7,8 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
         # GDN only, the generic (0) and the GDN-specific (1) prep kernel in one process (KDA_CUDA_GDN_PREP), no fla
     BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # KDA only, the generic (0) and the KDA-specific (1) prep kernel (KDA_CUDA_KDA_PREP), no fla
-    BENCH_CHUNK_SCAN=1,2 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # the single scan kernel (1, default) and the split scan (2) in one process (KDA_CUDA_CHUNK_SCAN)
-    BENCH_CHUNK_SCAN=1,3,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # the single kernel, the cluster scan (3) and the cluster scan without the cluster (4)
+    BENCH_CHUNK_SCAN=1,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # the single scan kernel (1) and the bulk-prefetch scan (4) in one process (KDA_CUDA_CHUNK_SCAN; 0: auto)
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -131,7 +129,7 @@ def main():
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
-    scans = os.environ.get("BENCH_CHUNK_SCAN")  # e.g. "1,2,3": KDA_CUDA_CHUNK_SCAN values (1 single, 2 split, 3 cluster)
+    scans = os.environ.get("BENCH_CHUNK_SCAN")  # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk)
     runs = [(f, x, sc) for f, x in runs for sc in (scans.split(",") if scans else [None])]
     for name, B, T, H, HV, lens in shapes:
         for fam, gdn_prep, scan in runs:

@@ -54,11 +54,9 @@ def main():
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
-    ap.add_argument("--scan-split", action="store_true",
-                    help="also time the forward with the split scan (KDA_CUDA_CHUNK_SCAN=2) as fwd_scan_split")
     ap.add_argument("--scans", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (1 single kernel, 2 split, 3 cluster scan, 4 "
-                         "scan3 without cluster, the default) to also time the forward with, each as fwd_scanN")
+                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (1 single kernel, 4 the bulk-prefetch scan) to "
+                         "also time the forward with, each as fwd_scanN")
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
@@ -95,8 +93,7 @@ def main():
         extra = [(True, "fwd", f"fwd_scan{x}", {"KDA_CUDA_CHUNK_SCAN": x}) for x in args.scans.split(",") if x]
         extra += [(True, "bwd", f"bwd_state_fwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_FWD": x})
                   for x in args.bwd_state_fwd.split(",") if x]
-        extra += [(args.scan_split, "fwd", "fwd_scan_split", {"KDA_CUDA_CHUNK_SCAN": "2"}),
-                  (args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
+        extra += [(args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
                    {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
                   (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"}),

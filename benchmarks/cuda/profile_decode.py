@@ -1,12 +1,11 @@
 """One decode call at B=256 (H=16, HV=32, K=V=128) for Nsight Compute, after a warm-up call:
 
-    ncu --set full -k regex:delta_decode -s 1 -c 1 python3 benchmarks/cuda/profile_decode.py --variant bulk2 --op kda_serve_bf16
+    ncu --set full -k regex:delta_decode -s 1 -c 1 python3 benchmarks/cuda/profile_decode.py --op kda_serve_bf16
 
---variant: old (KDA_CUDA_DEC_V2=0, the default kernel), bulk1 / bulk2 (the bulk-copy kernel, small / large ring),
-bulk2h3 (with both cache hints). --op: {kda,gdn}_{core,serve_fp32,serve_bf16}.
+--op: {kda,gdn}_{core,serve_fp32,serve_bf16}. The decode knobs (KDA_CUDA_DEC_CFG, KDA_CUDA_DEC_STAGE,
+KDA_CUDA_DECODE) apply as set in the environment.
 """
 import argparse
-import os
 
 import torch
 
@@ -14,12 +13,9 @@ from bench_cuda import mk
 from cuda_variant import load_cuda_variant
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variant", default="old")
 ap.add_argument("--op", default="kda_serve_bf16")
 ap.add_argument("--B", type=int, default=256)
 a = ap.parse_args()
-os.environ["KDA_CUDA_DEC_V2"] = "0" if a.variant == "old" else a.variant[4]
-os.environ["KDA_CUDA_DEC_V2_HINT"] = "3" if a.variant.endswith("h3") else "0"
 fam, what = a.op.split("_", 1)
 ops = load_cuda_variant("kda_cuda_prof").ops
 H, HV, K, V = 16, 32, 128, 128
@@ -37,4 +33,4 @@ with torch.inference_mode():
     fn()
     fn()
     torch.cuda.synchronize()
-print("done", a.variant, a.op)
+print("done", a.op)

@@ -15,15 +15,9 @@
 // as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
-// Split scan (KDA_CUDA_CHUNK_SCAN=2; measured 7 % slower than kernel 2 on the H200 in session 4):
-// kernel 2a (delta_chunk_state_kernel) walks
-// the chunks as kernel 2 but computes only U = u0 - w h and h <- e^{G_last} h + k~^T U, storing the chunk-start
-// state h_c (p.hc) and U (over u0 in the workspace); kernel 2b (delta_chunk_out_kernel), one block per (chunk,
-// value head, 64 columns), fully parallel: o = q~ h_c + A~ U.
 // Bulk-prefetch scan (delta_chunk_scan3_kernel; the default, KDA_CUDA_CHUNK_SCAN=4, where the workspace is bf16 and
 // the GPU sm_90+): kernel 2 with each chunk's w / q~ / k~^T / A~ brought into double-buffered shared memory by one
-// bulk copy ahead of use. KDA_CUDA_CHUNK_SCAN=3: the 32-column blocks of a head in one thread-block cluster share
-// that copy through a TMA multicast (slower: fewer clusters than blocks fit at once).
+// bulk copy ahead of use.
 #pragma once
 
 #include "delta_common.cuh"
@@ -56,10 +50,7 @@ struct ChunkFwdParams {
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
-  int scan3;          // 1: the cluster scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=3), 2: it without cluster (4)
-  // split scan (delta_chunk_state_kernel + delta_chunk_out_kernel): the state at the start of every chunk,
-  // [max_chunks, HV, K, V] row-major, bf16 when ws_bf16 (HALF) and fp32 otherwise; nullptr for the old scan
-  void* hc;
+  int scan3;          // 1: the bulk-prefetch scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4)
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
@@ -761,415 +752,24 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
 }
 
-// ---- Split scan: delta_chunk_state_kernel (sequential: U and h only) + delta_chunk_out_kernel (parallel: o) ----
-
-// A workspace fragment as loaded (HALF: four bf16 in a uint2, unpacked at use): operands prefetched one chunk
-// ahead cost half the registers.
-template <bool HALF>
-struct WsFragRaw {
-  using type = float4;
-};
-template <>
-struct WsFragRaw<true> {
-  using type = uint2;
-};
-
-template <bool HALF>
-__device__ __forceinline__ typename WsFragRaw<HALF>::type ws_frag_raw(const float* sec, int i) {
-  if constexpr (HALF) return __ldg(reinterpret_cast<const uint2*>(sec) + i);
-  else return __ldg(reinterpret_cast<const float4*>(sec) + i);
-}
-__device__ __forceinline__ float4 frag_unpack(const float4& x) { return x; }
-__device__ __forceinline__ float4 frag_unpack(const uint2& u) {  // bf16 slots 0, 1 | 2, 3 (little endian)
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xffff0000u));
-}
-
-// Store the elements (c, c + 1) of a row-major row, at element offset i of c: one 4- (bf16) or 8-byte (fp32) store
-// when vec (V even, c even: the pair is aligned) and both exist, else element by element (has1 implies has0).
-template <bool BF16>
-__device__ __forceinline__ void store_pair(void* base, int64_t i, float x0, float x1, bool has0, bool has1,
-                                           bool vec) {
-  if constexpr (BF16) {
-    __nv_bfloat16* b = static_cast<__nv_bfloat16*>(base) + i;
-    if (vec && has1) {
-      *reinterpret_cast<__nv_bfloat162*>(b) = __floats2bfloat162_rn(x0, x1);
-    } else {
-      if (has0) b[0] = __float2bfloat16_rn(x0);
-      if (has1) b[1] = __float2bfloat16_rn(x1);
-    }
-  } else {
-    float* f = static_cast<float*>(base) + i;
-    if (vec && has1) {
-      *reinterpret_cast<float2*>(f) = make_float2(x0, x1);
-    } else {
-      if (has0) f[0] = x0;
-      if (has1) f[1] = x1;
-    }
-  }
-}
-
-// o (input dtype) elements (c, c + 1) at element offset i of c; a pair store for 16-bit types when vec.
-__device__ __forceinline__ void store_out_pair(void* o, int64_t i, int dt, float x0, float x1, bool has0, bool has1,
-                                               bool vec) {
-  if (vec && has1 && dt == kBF16) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(o) + i) = __floats2bfloat162_rn(x0, x1);
-  } else if (vec && has1 && dt == kF16) {
-    *reinterpret_cast<__half2*>(static_cast<__half*>(o) + i) = __floats2half2_rn(x0, x1);
-  } else {
-    if (has0) store_in(o, i, dt, x0);
-    if (has1) store_in(o, i + 1, dt, x1);
-  }
-}
-
-// Sequential part of the split scan: block = (sequence, value head, BV columns), 4 warps, the layout of
-// delta_chunk_scan_kernel (warp wi: rows 16wi..16wi+15 of U, rows [wi KP/4, (wi+1) KP/4) of h). Per chunk:
-// h_c (the chunk-start state, fp32 registers) -> p.hc (bf16 when HALF); U = u0 - w h -> shared memory and over u0
-// in the workspace (each block reads and writes only its own BV columns of u0); h <- Diag(decay) h + k~^T U.
-// The operands (w, u0, k~^T, decay) of chunk ci + 1 are loaded into registers during chunk ci (w / u0 after U,
-// k~^T / decay after the h update; see PREK); each product runs as two independent accumulator chains (even / odd
-// k-steps).
-// Two barriers per chunk: hs is rewritten only after every warp passed the barrier that follows its last read.
-template <int KP, int BV, bool PRECISE, bool HALF>
-__global__ void __launch_bounds__(kScanThreads) delta_chunk_state_kernel(const ChunkFwdParams p) {
-  constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
-  constexpr int NT = BV / 8;
-  constexpr int MT = KP / 64;     // 16-row tiles of h per warp
-  constexpr int KS = KP / 8;      // k-steps of w h
-  constexpr int CS = kChunk / 8;  // k-steps of k~^T U
-  using KRaw = typename WsFragRaw<HALF>::type;
-  const WsLayout<KP> WL(HALF);
-  __shared__ __align__(16) float hs[KP * LDH];
-  __shared__ __align__(16) float Us[kChunk * LDH];
-
-  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
-  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
-  const int gq = lane >> 2, t4 = lane & 3;
-  const int K = p.K, V = p.V, HV = p.HV;
-  const bool veven = (V & 1) == 0;
-  int64_t bos;
-  int len;
-  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
-  const int nch = (len + kChunk - 1) / kChunk;
-  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
-  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
-
-  float hacc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
-        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
-      }
-  auto store_h = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-          hs[r * LDH + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
-        }
-  };
-  store_h();
-  __syncthreads();
-
-  auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
-  float4 wa[KS];
-  float u0r[NT][4];
-  KRaw ka[MT * CS];
-  float dec[MT][2];
-  auto load_w = [&](int ci) {
-    const float* ws = chunk_ws(ci);
-    const float4* wf = reinterpret_cast<const float4*>(ws + WL.w) + wi * KS * 32 + lane;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) wa[ks] = __ldg(wf + ks * 32);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wi * 16 + gq + (e >> 1) * 8;
-        const int cl = nt * 8 + 2 * t4 + (e & 1);
-        u0r[nt][e] = (v0 + cl < V) ? __ldg(ws + WL.u + r * V + v0 + cl) : 0.f;
-      }
-  };
-  auto load_k = [&](int ci) {
-    const float* ws = chunk_ws(ci);
-    const int ki = wi * MT * CS * 32 + lane;  // tile-lane index of this warp's first k~^T fragment
-#pragma unroll
-    for (int i = 0; i < MT * CS; ++i) ka[i] = ws_frag_raw<HALF>(ws + WL.kg, ki + i * 32);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      dec[mt][0] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq);
-      dec[mt][1] = __ldg(ws + WL.decay + (wi * MT + mt) * 16 + gq + 8);
-    }
-  };
-  // PREK: k~^T / decay of chunk ci + 1 prefetched during chunk ci (register budget: the 16-column bf16 variants
-  // and K <= 64). Otherwise k~^T of chunk ci is loaded after U (its latency overlaps the barrier) and w / u0 of
-  // chunk ci + 1 after the h update, so the two prefetches are never live at once (no spills at 255 registers).
-  constexpr bool PREK = KP == 64 || (BV == 16 && !PRECISE);
-  if (nch > 0) {
-    load_w(0);
-    if constexpr (PREK) load_k(0);
-  }
-
-  for (int ci = 0; ci < nch; ++ci) {
-    float* ws = chunk_ws(ci);
-    // the chunk-start state, from the fp32 registers (the recurrence itself stays fp32)
-    {
-      const int64_t hb = (static_cast<int64_t>(c_first + ci) * HV + hv) * K * V;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = (wi * MT + mt) * 16 + gq + hh * 8;
-            const int c = v0 + nt * 8 + 2 * t4;
-            if (r < K)
-              store_pair<HALF>(p.hc, hb + static_cast<int64_t>(r) * V + c, hacc[mt][nt][2 * hh],
-                               hacc[mt][nt][2 * hh + 1], c < V, c + 1 < V, veven);
-          }
-    }
-
-    // U = u0 - w h
-    float a0[NT][4], a1[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ks += 2) {
-      mma_row_tiles<PRECISE>(a0, wa[ks], hs, LDH, ks * 8, t4, gq);
-      mma_row_tiles<PRECISE>(a1, wa[ks + 1], hs, LDH, (ks + 1) * 8, t4, gq);
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int cl = nt * 8 + 2 * t4;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = wi * 16 + gq + hh * 8;
-        const float x0 = u0r[nt][2 * hh] - (a0[nt][2 * hh] + a1[nt][2 * hh]);
-        const float x1 = u0r[nt][2 * hh + 1] - (a0[nt][2 * hh + 1] + a1[nt][2 * hh + 1]);
-        Us[r * LDH + cl] = x0;
-        Us[r * LDH + cl + 1] = x1;
-        store_pair<false>(ws + WL.u, static_cast<int64_t>(r) * V + v0 + cl, x0, x1, v0 + cl < V, v0 + cl + 1 < V,
-                          veven);
-      }
-    }
-    if constexpr (PREK) {
-      if (ci + 1 < nch) load_w(ci + 1);
-    } else {
-      load_k(ci);
-    }
-    __syncthreads();
-
-    // h <- Diag(decay) h + k~^T U
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float b0[NT][4], b1[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) b0[nt][e] = b1[nt][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < CS; ks += 2) {
-        mma_row_tiles<PRECISE>(b0, frag_unpack(ka[mt * CS + ks]), Us, LDH, ks * 8, t4, gq);
-        mma_row_tiles<PRECISE>(b1, frag_unpack(ka[mt * CS + ks + 1]), Us, LDH, (ks + 1) * 8, t4, gq);
-      }
-      const float d0 = dec[mt][0], d1 = dec[mt][1];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        hacc[mt][nt][0] = fmaf(hacc[mt][nt][0], d0, b0[nt][0] + b1[nt][0]);
-        hacc[mt][nt][1] = fmaf(hacc[mt][nt][1], d0, b0[nt][1] + b1[nt][1]);
-        hacc[mt][nt][2] = fmaf(hacc[mt][nt][2], d1, b0[nt][2] + b1[nt][2]);
-        hacc[mt][nt][3] = fmaf(hacc[mt][nt][3], d1, b0[nt][3] + b1[nt][3]);
-      }
-    }
-    if (ci + 1 < nch) {
-      if constexpr (PREK) load_k(ci + 1);
-      else load_w(ci + 1);
-    }
-    store_h();  // every warp finished reading hs (U) before the barrier above
-    __syncthreads();
-  }
-
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
-        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
-      }
-}
-
-// Parallel part of the split scan: block = (global chunk, value head, 64 columns), 4 warps; warp wi computes rows
-// 16wi..16wi+15 of o = q~ h_c + A~ U for the block's columns. h_c (KP x 64, zero past K / V) and U (64 x 64) are
-// staged in shared memory as fp32 (16-byte loads when V allows), the A fragments of q~ and A~ (lower tiles only)
-// go to registers first.
-constexpr int kOutBV = 64;
-template <int KP>
-struct OutSmem {
-  static constexpr int LD = kOutBV + 8;  // conflict-free B-fragment reads, 16-byte aligned rows
-  static constexpr size_t bytes = sizeof(float) * (KP + kChunk) * LD;
-};
-
-template <int KP, bool PRECISE, bool HALF>
-__global__ void __launch_bounds__(kScanThreads) delta_chunk_out_kernel(const ChunkFwdParams p) {
-  constexpr int BVO = kOutBV, LD = OutSmem<KP>::LD, NT = BVO / 8, KS = KP / 8, CS = kChunk / 8;
-  constexpr int TH = kScanThreads;
-  using Raw = typename WsFragRaw<HALF>::type;
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* hs = reinterpret_cast<float*>(smem);  // [KP][LD]
-  float* Us = hs + KP * LD;                    // [64][LD]
-
-  const int cid = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BVO;
-  int64_t tok0;
-  int L;
-  if (!chunk_coords(p, cid, tok0, L)) return;
-  const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5;
-  const int gq = lane >> 2, t4 = lane & 3;
-  const int K = p.K, V = p.V, HV = p.HV;
-  const WsLayout<KP> WL(HALF);
-  const float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
-
-  Raw qa[KS], aa[CS];
-  {
-    const int qi = wi * KS * 32 + lane, ai = wi * CS * 32 + lane;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) qa[ks] = ws_frag_raw<HALF>(ws + WL.qg, qi + ks * 32);
-#pragma unroll
-    for (int ks = 0; ks < CS; ++ks) aa[ks] = ks < 2 * wi + 2 ? ws_frag_raw<HALF>(ws + WL.aqk, ai + ks * 32) : Raw{};
-  }
-
-  // h_c -> hs
-  const int64_t hb = (static_cast<int64_t>(cid) * HV + hv) * K * V;
-  if constexpr (HALF) {
-    const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.hc) + hb;
-    if ((V & 7) == 0) {
-      constexpr int G = BVO / 8, PER = KP * G / TH;  // 8 columns (16 bytes) per load
-      uint4 x[PER];
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 8;
-        x[u] = (r < K && v0 + c < V) ? __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * V + v0 + c))
-                                     : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 8;
-        float4* d = reinterpret_cast<float4*>(hs + r * LD + c);
-        d[0] = frag_unpack(make_uint2(x[u].x, x[u].y));
-        d[1] = frag_unpack(make_uint2(x[u].z, x[u].w));
-      }
-    } else {
-      for (int i = tid; i < KP * BVO; i += TH) {
-        const int r = i / BVO, c = i % BVO;
-        hs[r * LD + c] = (r < K && v0 + c < V) ? __bfloat162float(src[static_cast<int64_t>(r) * V + v0 + c]) : 0.f;
-      }
-    }
-  } else {
-    const float* src = static_cast<const float*>(p.hc) + hb;
-    if ((V & 3) == 0) {
-      constexpr int G = BVO / 4, PER = KP * G / TH;
-      float4 x[PER];
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
-        x[u] = (r < K && v0 + c < V) ? __ldg(reinterpret_cast<const float4*>(src + static_cast<int64_t>(r) * V + v0 + c))
-                                     : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
-        *reinterpret_cast<float4*>(hs + r * LD + c) = x[u];
-      }
-    } else {
-      for (int i = tid; i < KP * BVO; i += TH) {
-        const int r = i / BVO, c = i % BVO;
-        hs[r * LD + c] = (r < K && v0 + c < V) ? __ldg(src + static_cast<int64_t>(r) * V + v0 + c) : 0.f;
-      }
-    }
-  }
-  // U -> Us (fp32, row-major [64 x V] in the workspace)
-  {
-    const float* src = ws + WL.u;
-    if ((V & 3) == 0) {
-      constexpr int G = BVO / 4, PER = kChunk * G / TH;
-      float4 x[PER];
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
-        x[u] = (v0 + c < V) ? __ldg(reinterpret_cast<const float4*>(src + r * V + v0 + c))
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < PER; ++u) {
-        const int i = tid + u * TH, r = i / G, c = (i % G) * 4;
-        *reinterpret_cast<float4*>(Us + r * LD + c) = x[u];
-      }
-    } else {
-      for (int i = tid; i < kChunk * BVO; i += TH) {
-        const int r = i / BVO, c = i % BVO;
-        Us[r * LD + c] = (v0 + c < V) ? __ldg(src + r * V + v0 + c) : 0.f;
-      }
-    }
-  }
-  __syncthreads();
-
-  float a0[NT][4], a1[NT][4];  // q~ h_c and A~ U: two independent chains
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) mma_row_tiles<PRECISE>(a0, frag_unpack(qa[ks]), hs, LD, ks * 8, t4, gq);
-#pragma unroll
-  for (int ks = 0; ks < CS; ++ks)
-    if (ks < 2 * wi + 2) mma_row_tiles<PRECISE>(a1, frag_unpack(aa[ks]), Us, LD, ks * 8, t4, gq);
-  const bool veven = (V & 1) == 0;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = wi * 16 + gq + hh * 8;
-      const int c = v0 + nt * 8 + 2 * t4;
-      if (r < L)
-        store_out_pair(p.o, ((tok0 + r) * HV + hv) * V + c, p.in_dtype, a0[nt][2 * hh] + a1[nt][2 * hh],
-                       a0[nt][2 * hh + 1] + a1[nt][2 * hh + 1], c < V, c + 1 < V, veven);
-    }
-}
-
-
-// ---- Cluster scan (KDA_CUDA_CHUNK_SCAN=3): delta_chunk_scan3_kernel ----
+// ---- Bulk-prefetch scan (KDA_CUDA_CHUNK_SCAN=4, the default where it applies): delta_chunk_scan3_kernel ----
 //
-// The single scan kernel's math with the BV-column blocks (BV = 32, or 64 with KDA_CUDA_SCAN3_BV=64) of one
-// (sequence, value head) forming one thread-block cluster (cluster dims (1, 1, CS), CS = ceil(V / BV) <= 8, the
-// whole grid z): per chunk the workspace region shared by every column block -- w, q~, k~^T, A~ and the decay,
-// floats [0, WsLayout::u), contiguous, 74,240 bytes at KP = 128 with the bf16 workspace -- is read from global
-// memory once per cluster: CTA rank r copies bytes [r P, (r + 1) P) of it (P = ceil(region / CS) rounded up to 16,
-// at most 16 KB per instruction) with cp.async.bulk multicast into the same offset of every CTA's shared memory,
-// signalling each CTA's mbarrier (complete_tx). Two buffers: chunk ci + 2 is issued when every CTA of the cluster
-// finished chunk ci (one split cluster barrier per chunk), so each chunk's operands land a whole chunk step ahead
-// and every A-fragment read is a local shared-memory read. u0 (this block's columns only) is read from global
-// memory one chunk ahead, as in the single kernel.
+// The single scan kernel's math with BV-column blocks (BV = 32, or 64 with KDA_CUDA_SCAN3_BV=64): per chunk the
+// workspace region shared by every column block -- w, q~, k~^T, A~ and the decay, floats [0, WsLayout::u),
+// contiguous, 74,240 bytes at KP = 128 with the bf16 workspace -- is copied by each block into its own shared
+// memory with cp.async.bulk (at most 16 KB per instruction), signalling the buffer's mbarrier (complete_tx). Two
+// buffers: chunk ci + 2 is issued when the block finished chunk ci, so each chunk's operands land a whole chunk
+// step ahead and every A-fragment read is a local shared-memory read. u0 (this block's columns only) is read from
+// global memory one chunk ahead, as in the single kernel.
 // Block: 8 warps; warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of U and o and rows [wi KP/4, (wi+1) KP/4)
 // of h, for the BV/2 columns wc BV/2 .. (wc + 1) BV/2 - 1 of the block's BV (BV = 32: per warp the work of the
-// single kernel at BV = 16; BV = 64: twice the independent MMAs per k-step, half the blocks and cluster size).
+// single kernel at BV = 16; BV = 64: twice the independent MMAs per k-step, half the blocks).
 // bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0 and
-// V > 256 run the single kernel (host).
+// V > kScan3MaxV run the single kernel (host).
 constexpr int kScan3Threads = 256;
-constexpr int kScan3MaxCluster = 8;
+constexpr int kScan3MaxV = 256;  // the V range the host sends to this kernel (and its tests cover)
 
-// BV: columns per block, 32 (default) or 64 (KDA_CUDA_SCAN3_BV=64: warps of 32 columns, half the clusters' size)
+// BV: columns per block, 32 (default) or 64 (KDA_CUDA_SCAN3_BV=64: warps of 32 columns)
 template <int KP, int BV>
 struct Scan3Smem {
   static constexpr int LDH = BV + 8;  // conflict-free B-fragment reads (8 t4 + gq covers the 32 banks)
@@ -1181,31 +781,15 @@ struct Scan3Smem {
   static constexpr size_t bytes = bar_off + 2 * sizeof(uint64_t);
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90+ PTX (clusters, bulk copies); the host checks
+// A workspace A fragment as stored in the bf16 sections (four bf16 in a uint2: slots 0, 1 | 2, 3, little endian).
+__device__ __forceinline__ float4 frag_unpack(const uint2& u) {
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90+ PTX (bulk copies); the host checks
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ __forceinline__ uint32_t cluster_ctarank_u32() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_nctarank_u32() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster: release its prior memory operations, acquire the others' (not the
-// .aligned form: it follows thread-0-only code).
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// The two halves (each thread: arrive, later wait, before its next arrive).
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -1227,15 +811,6 @@ __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) 
         : "memory");
   } while (!done);
 }
-// Global -> the same shared-memory offset in every CTA of mask; complete_tx on the mbarrier at offset bar in each.
-__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                    uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
-      "%4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "h"(mask)
-      : "memory");
-}
 // Global -> this CTA's shared memory; complete_tx on its mbarrier bar.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -1245,9 +820,7 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 
 #endif  // __CUDA_ARCH__ >= 900
 
-// MC false (KDA_CUDA_CHUNK_SCAN=4, the default): no cluster; each block copies the whole region into its own
-// shared memory (the same double-buffered bulk prefetch, the L2 reads of the single kernel at 32 columns).
-template <int KP, bool MC, int BV>
+template <int KP, int BV>
 __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(const ChunkFwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = Scan3Smem<KP, BV>;
@@ -1270,25 +843,17 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
   int64_t bos;
   int len;
   seq_bounds(p.cu_seqlens, n, p.T, bos, len);
-  const int nch = (len + kChunk - 1) / kChunk;  // the same in every CTA of the cluster (same sequence)
+  const int nch = (len + kChunk - 1) / kChunk;
   const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
   const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
 
-  // this CTA's piece of the region, in 16-byte units
-  const uint32_t rank = MC ? cluster_ctarank_u32() : 0u, cs = MC ? cluster_nctarank_u32() : 1u;
-  const uint32_t units = RB / 16, per = (units + cs - 1) / cs;
-  const uint32_t pb0 = min(units, rank * per) * 16, pb1 = min(units, (rank + 1) * per) * 16;
-  const uint16_t mask = static_cast<uint16_t>((1u << cs) - 1u);
+  static_assert(RB % 16 == 0, "bulk copies move multiples of 16 bytes");
   auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
   auto issue = [&](int ci) {  // one thread per CTA; copies of at most kBulkMax bytes
     constexpr uint32_t kBulkMax = 16384;
     const uint32_t dst = smem_u32(smem3 + (ci & 1) * RB), bar = bar0 + 8 * (ci & 1);
     const char* src = reinterpret_cast<const char*>(chunk_ws(ci));
-    for (uint32_t b = pb0; b < pb1; b += kBulkMax) {
-      const uint32_t nb = min(kBulkMax, pb1 - b);
-      if constexpr (MC) bulk_copy_multicast(dst + b, src + b, nb, bar, mask);
-      else bulk_copy(dst + b, src + b, nb, bar);
-    }
+    for (uint32_t b = 0; b < RB; b += kBulkMax) bulk_copy(dst + b, src + b, min(kBulkMax, RB - b), bar);
   };
 
   float hacc[MT][NT][4];
@@ -1330,13 +895,12 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
     mbar_init(bar0, 1);
     mbar_init(bar0 + 8, 1);
     mbar_init_fence();
-    // expected bytes of chunks 0 and 1, before any CTA can issue (the cluster barrier below)
+    // expected bytes of chunks 0 and 1, before the copies are issued (after the barrier below)
     if (nch > 0) mbar_arrive_expect_tx(bar0, RB);
     if (nch > 1) mbar_arrive_expect_tx(bar0 + 8, RB);
   }
   store_h();
-  if constexpr (MC) cluster_sync_all();  // mbarriers initialised cluster-wide; hs complete
-  else __syncthreads();
+  __syncthreads();  // mbarriers initialised; hs complete
   if (tid == 0) {
     if (nch > 0) issue(0);
     if (nch > 1) issue(1);
@@ -1414,15 +978,12 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
         mma_row_tiles<false>(hacc[mt], frag_unpack(sk[kfi + (mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8,
                              t4, gq);
     }
-    // this thread is done with buffer ci & 1: thread 0 re-arms its mbarrier for chunk ci + 2 before arriving at the
-    // cluster barrier (so no peer's complete_tx can precede the expect_tx); the barrier's round trip overlaps the
-    // h store, and once every CTA of the cluster arrived, thread 0 refills the buffer
+    // this thread is done with buffer ci & 1: thread 0 re-arms its mbarrier for chunk ci + 2, and once every warp
+    // passed the barrier below (the last reads of the buffer), refills it
     if (tid == 0 && ci + 2 < nch) mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
-    if constexpr (MC) cluster_arrive_release();
     __syncthreads();  // every warp finished reading hs (U, o) and Us
     store_h();
     __syncthreads();  // hs complete for the next chunk
-    if constexpr (MC) cluster_wait_acquire();
     if (tid == 0 && ci + 2 < nch) issue(ci + 2);
   }
 
@@ -1436,7 +997,6 @@ __global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(con
         const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
         if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
       }
-  if constexpr (MC) cluster_sync_all();  // no CTA leaves while a peer's copy into it could still be in flight
 #endif  // __CUDA_ARCH__ >= 900
 }
 

@@ -4,17 +4,10 @@
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
 // as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
-// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel without a
-// cluster where it applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the
-// single kernel's 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1, the single kernel delta_chunk_scan_kernel;
-// unset: 4 when its (sequence, head, 32 columns) blocks fit on the SMs at once, else 1 (see chunk_fwd below);
-// KDA_CUDA_CHUNK_SCAN=2 splits the single kernel into a
-// sequential state kernel and a parallel output kernel (measured on the H200 in session 4: 0.60 ms against the
-// single kernel's 0.56 at B1 T8192 H16 HV32, so not the default); the chunk-start states the split passes between
-// its kernels take K*V*2 bytes per (chunk, head) (bf16; fp32 inputs or KDA_CUDA_CHUNK_WS_BF16=0: 4 bytes).
-// KDA_CUDA_CHUNK_SCAN=3 runs the same kernel with the 32-column blocks of a head in one cluster, each chunk's
-// shared operands multicast into shared memory (same conditions; measured 1.08 ms: only 30 of the 32 four-block
-// clusters fit at once, so the grid runs in two waves).
+// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
+// applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
+// 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
+// unset: 4 when its (sequence, head, 32 columns) blocks fit on the SMs at once, else 1 (see chunk_fwd_params below).
 #pragma once
 
 #include <vector>
@@ -83,92 +76,25 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Cluster scan: grid (sequence, head, ceil(V / BV)), the whole grid z one cluster; 8 warps, ~175 KB (BV 32) /
-// ~199 KB (BV 64) of dynamic shared memory at KP = 128 (two copies of the chunk's shared workspace region), one
-// block per SM.
-// MC false (KDA_CUDA_CHUNK_SCAN=4, the default): the same kernel without the cluster (each block copies the whole
-// region itself).
-template <int KP, bool MC, int BV>
+// Bulk-prefetch scan: grid (sequence, head, ceil(V / BV)); 8 warps, ~175 KB (BV 32) / ~199 KB (BV 64) of dynamic
+// shared memory at KP = 128 (two copies of the chunk's shared workspace region), one block per SM.
+template <int KP, int BV>
 void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
   using S = Scan3Smem<KP, BV>;
-  auto kern = delta_chunk_scan3_kernel<KP, MC, BV>;
+  auto kern = delta_chunk_scan3_kernel<KP, BV>;
   TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
   allow_dynamic_smem(kern, S::bytes);
-  const unsigned cs = static_cast<unsigned>((p.V + BV - 1) / BV);
-  TORCH_CHECK(cs >= 1 && cs <= static_cast<unsigned>(kScan3MaxCluster), "scan3: V too large for one cluster");
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan3: workspace slices must be 16-byte aligned");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), cs);
-  cfg.blockDim = dim3(kScan3Threads, 1, 1);
-  cfg.dynamicSmemBytes = S::bytes;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = cs;
-  cfg.attrs = attr;
-  cfg.numAttrs = MC ? 1 : 0;
-  if (MC && env_int("KDA_CUDA_SCAN3_DEBUG", 0) != 0) {  // clusters that fit at once (one block per SM at KP 128)
-    static int reported[kScan3MaxCluster + 1] = {};
-    if (!reported[cs]) {
-      int nmax = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&nmax, kern, &cfg));
-      fprintf(stderr, "[scan3] KP=%d BV=%d cluster=%u clusters=%lld max active clusters=%d smem=%zu\n", KP, BV, cs,
-              static_cast<long long>(p.N) * p.HV, nmax, S::bytes);
-      reported[cs] = 1;
-    }
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
+  kern<<<grid, kScan3Threads, S::bytes, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // KDA_CUDA_SCAN3_BV=64: 64-column blocks (read at every call; default 32).
 template <int KP>
 void launch_chunk_scan3(const ChunkFwdParams& p, cudaStream_t st) {
-  const bool wide = env_int("KDA_CUDA_SCAN3_BV", 32) == 64;
-  if (p.scan3 == 2) {
-    if (wide) launch_chunk_scan3_t<KP, false, 64>(p, st);
-    else launch_chunk_scan3_t<KP, false, 32>(p, st);
-  } else {
-    if (wide) launch_chunk_scan3_t<KP, true, 64>(p, st);
-    else launch_chunk_scan3_t<KP, true, 32>(p, st);
-  }
-}
-
-// Split scan (p.hc set): the sequential state kernel over (sequence, head, BV columns), then the parallel output
-// kernel over (chunk, head, 64 columns).
-template <int KP, int BV, bool PRECISE>
-void launch_chunk_state(const ChunkFwdParams& p, cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
-  if constexpr (PRECISE) {
-    delta_chunk_state_kernel<KP, BV, true, false><<<grid, kScanThreads, 0, st>>>(p);
-  } else {
-    if (p.ws_bf16) delta_chunk_state_kernel<KP, BV, false, true><<<grid, kScanThreads, 0, st>>>(p);
-    else delta_chunk_state_kernel<KP, BV, false, false><<<grid, kScanThreads, 0, st>>>(p);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <int KP, bool PRECISE, bool HALF>
-void launch_chunk_out_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  constexpr size_t smem = OutSmem<KP>::bytes;
-  auto kern = delta_chunk_out_kernel<KP, PRECISE, HALF>;
-  allow_dynamic_smem(kern, smem);
-  const dim3 grid(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>((p.V + kOutBV - 1) / kOutBV));
-  kern<<<grid, kScanThreads, smem, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <int KP, bool PRECISE>
-void launch_chunk_out(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if constexpr (PRECISE) {
-    launch_chunk_out_t<KP, true, false>(p, max_chunks, st);
-  } else {
-    if (p.ws_bf16) launch_chunk_out_t<KP, false, true>(p, max_chunks, st);
-    else launch_chunk_out_t<KP, false, false>(p, max_chunks, st);
-  }
+  if (env_int("KDA_CUDA_SCAN3_BV", 32) == 64) launch_chunk_scan3_t<KP, 64>(p, st);
+  else launch_chunk_scan3_t<KP, 32>(p, st);
 }
 
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
@@ -188,25 +114,16 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
 
 // The state-dependent half: the scan from p.h0 over the chunks (o and the final state).
 template <int KP, bool PRECISE>
-void run_chunk_scan(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  // 16 columns per block when 32 would leave SMs idle
+void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
+  if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
+    if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
+    return;
+  }
+  // the single scan kernel (o inside the sequential loop); 16 columns per block when 32 would leave SMs idle
   const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
   const bool narrow = bv == 16 || (bv != 32 && scan_blocks32(p.N, p.HV, p.V) < 2LL * num_sms());
-  if (p.hc != nullptr) {  // split scan; fp32 inputs: 16 columns (3xTF32 at 32 columns spilled 444 bytes)
-    if constexpr (PRECISE) {
-      launch_chunk_state<KP, 16, PRECISE>(p, st);
-    } else {
-      if (narrow) launch_chunk_state<KP, 16, PRECISE>(p, st);
-      else launch_chunk_state<KP, 32, PRECISE>(p, st);
-    }
-    if (max_chunks > 0) launch_chunk_out<KP, PRECISE>(p, max_chunks, st);
-  } else if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= 32 * kScan3MaxCluster &&
-             cc_major() >= 9) {  // the bulk-prefetch scan (with or without a cluster)
-    if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
-  } else {  // the single scan kernel (default; o inside the sequential loop)
-    if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
-    else launch_chunk_scan<KP, 32, PRECISE>(p, st);
-  }
+  if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
+  else launch_chunk_scan<KP, 32, PRECISE>(p, st);
 }
 
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
@@ -222,22 +139,22 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
   }
 }
 
-inline void chunk_scan_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+inline void chunk_scan_dispatch(const ChunkFwdParams& p, cudaStream_t st) {
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
-    if (precise) run_chunk_scan<64, true>(p, max_chunks, st);
-    else run_chunk_scan<64, false>(p, max_chunks, st);
+    if (precise) run_chunk_scan<64, true>(p, st);
+    else run_chunk_scan<64, false>(p, st);
   } else {
-    if (precise) run_chunk_scan<128, true>(p, max_chunks, st);
-    else run_chunk_scan<128, false>(p, max_chunks, st);
+    if (precise) run_chunk_scan<128, true>(p, st);
+    else run_chunk_scan<128, false>(p, st);
   }
 }
 
 // Workspace of one forward call, shared by the one-call forward and its two stages (chunk_fwd_stage): ws (per
-// chunk and head), map (varlen chunk table), hc (the split scan's chunk-start states) and cfg, a CPU int64
-// [3] = (ws_bf16, scan choice, max_chunks) holding what stage 0 decided so that stage 1 cannot read the knobs
-// differently. `work` empty: allocate (and build the varlen chunk table); else take the tensors from it.
-enum FwdWork { kFwdWs = 0, kFwdMap, kFwdHc, kFwdCfg, kFwdWorkSize };
+// chunk and head), map (varlen chunk table) and cfg, a CPU int64 [3] = (ws_bf16, scan choice, max_chunks) holding
+// what stage 0 decided so that stage 1 cannot read the knobs differently. `work` empty: allocate (and build the
+// varlen chunk table); else take the tensors from it.
+enum FwdWork { kFwdWs = 0, kFwdMap, kFwdCfg, kFwdWorkSize };
 
 inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
@@ -276,21 +193,16 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = scan_mode == 3 ? 1 : scan_mode == 4 ? 2 : 0;  // 4: scan3 without the cluster
+  p.scan3 = scan_mode == 4 ? 1 : 0;  // see the top of this file
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
-    // Split scan (KDA_CUDA_CHUNK_SCAN=2; see the top of this file for 1, 3, 4): the chunk-start states, K x V
-    // per (chunk, head), bf16 when the workspace is (bf16/fp16 inputs), else fp32.
-    work[kFwdHc] = at::empty({scan_mode == 2 ? std::max<int64_t>(max_chunks * s.HV * s.K * s.V, 1) : 1},
-                             q.options().dtype(p.ws_bf16 ? at::kBFloat16 : at::kFloat));
   }
   const int64_t ws_need = std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1);
   TORCH_CHECK(work[kFwdWs].defined() && work[kFwdWs].is_cuda() && work[kFwdWs].numel() == ws_need &&
-                  work[kFwdMap].defined() && work[kFwdHc].defined(),
+                  work[kFwdMap].defined(),
               "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
   p.ws = work[kFwdWs].data_ptr<float>();
-  if (scan_mode == 2) p.hc = work[kFwdHc].data_ptr();
   if (cu.has_value()) {
     p.cu_seqlens = cu->data_ptr<int64_t>();
     p.chunk_off = work[kFwdMap].data_ptr<int>();
@@ -346,7 +258,7 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   p.h0 = h0; p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
   const int mc = static_cast<int>(max_chunks);
   chunk_prep_dispatch<PC>(p, mc, st);
-  chunk_scan_dispatch(p, mc, st);
+  chunk_scan_dispatch(p, st);
   return {o, ht};
 }
 
@@ -384,7 +296,7 @@ std::vector<at::Tensor> chunk_fwd_stage(const char* op, at::TensorList work_in, 
   at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
   p.h0 = chunk_fwd_h0(op, initial_state, q, ht);
   p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
-  chunk_scan_dispatch(p, mc, st);
+  chunk_scan_dispatch(p, st);
   return {o, ht};
 }
 

@@ -4,7 +4,6 @@
 // that they compile in parallel).
 #pragma once
 
-#include "delta_decode_bulk.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -33,18 +32,6 @@ void launch_dec_one(FwdParams p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool PC, bool VF, typename S, int NBUF>
-void launch_dec_bulk_one(const FwdParams& p, cudaStream_t st) {
-  constexpr int smem = BulkSmem<S, NBUF>::kBytes;
-  auto kern = delta_decode_bulk_kernel<PC, VF, S, NBUF>;
-  allow_dynamic_smem(kern, smem);
-  const int64_t items = static_cast<int64_t>(p.N) * p.HV;
-  if (items == 0) return;
-  const int64_t grid = items < num_sms() ? items : num_sms();
-  kern<<<static_cast<unsigned>(grid), kBulkThreads, smem, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // Declared everywhere; launch_dec and launch_dec_generic are defined where KDA_DEFINE_LAUNCH_DEC is set
 // (delta_fwd_launch_dec_*.cu), launch_dec_fixed where KDA_DEFINE_LAUNCH_DEC_FIXED is set
 // (delta_fwd_launch_dec128_*.cu: the K = V = 128 kernels, the hot path of real models).
@@ -54,8 +41,6 @@ template <bool PC, bool VF, typename S>
 void launch_dec_generic(const FwdParams& p, int cfg, cudaStream_t st);
 template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st);
-template <bool PC, bool VF, typename S>
-void launch_dec_bulk(const FwdParams& p, int variant, cudaStream_t st);
 
 #ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
 template <bool PC, bool VF, typename S>
@@ -74,13 +59,6 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st) {
     case 10: return launch_dec_one<PC, VF, S, 3, 128, 1>(p, st);
     default: return launch_dec_one<PC, VF, S, 3, 128, 2>(p, st);
   }
-}
-// variant 1: small buffer ring, 2: large (bulk_nbuf)
-template <bool PC, bool VF, typename S>
-void launch_dec_bulk(const FwdParams& p, int variant, cudaStream_t st) {
-  constexpr int es = static_cast<int>(sizeof(S));
-  if (variant == 1) return launch_dec_bulk_one<PC, VF, S, bulk_nbuf(es, 1)>(p, st);
-  return launch_dec_bulk_one<PC, VF, S, bulk_nbuf(es, 2)>(p, st);
 }
 #endif  // KDA_DEFINE_LAUNCH_DEC_FIXED
 
@@ -110,13 +88,7 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   const DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
-    const int v2 = choose_dec_v2(p.N, p.HV);
-    if (v2 != 0) {
-      d.dec_hint = env_int("KDA_CUDA_DEC_V2_HINT", kDecV2Hint);
-      launch_dec_bulk<PC, VF, S>(d, v2, st);
-    } else {
-      launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
-    }
+    launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
   } else {
     launch_dec_generic<PC, VF, S>(d, c.cfg, st);
   }
@@ -162,7 +134,5 @@ void launch_fwd(FwdParams& p, int kmax, cudaStream_t st) {
   namespace cuda {                                                                                         \
   template void launch_dec_fixed<true, VF, S>(const FwdParams&, int, int, cudaStream_t);                  \
   template void launch_dec_fixed<false, VF, S>(const FwdParams&, int, int, cudaStream_t);                 \
-  template void launch_dec_bulk<true, VF, S>(const FwdParams&, int, cudaStream_t);                        \
-  template void launch_dec_bulk<false, VF, S>(const FwdParams&, int, cudaStream_t);                       \
   }                                                                                                        \
   }

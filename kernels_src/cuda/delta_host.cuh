@@ -172,23 +172,6 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   return c;
 }
 
-// The persistent bulk-copy decode kernel (delta_decode_bulk.cuh, sm_90+, K = V = 128 with aligned tensors):
-// KDA_CUDA_DEC_V2=0 never, 1 always with the small buffer ring, 2 always with the large ring; unset: kDecV2Default
-// when there are at least 4 items per SM (fewer: the per-column-slice kernel spreads a small batch over more SMs).
-// KDA_CUDA_DEC_V2_HINT (bit 0: L2 evict-first reads, bit 1: streaming stores) defaults to kDecV2Hint.
-// kDecV2Default is 0 (off): on the H200 the bulk kernel measured 1.8-2.5 TB/s at B=256 against 3.8-4.0 TB/s for
-// the per-column-slice kernel (benchmarks/results/cuda_decode_session4.*; docs/cuda.md "decode, session 4").
-constexpr int kDecV2Default = 0;
-constexpr int kDecV2Hint = 0;
-
-
-inline int choose_dec_v2(int N, int HV) {
-  const int v = env_int("KDA_CUDA_DEC_V2", -1);
-  if (v == 0 || cc_major() < 9) return 0;
-  if (v == 1 || v == 2) return v;
-  return static_cast<int64_t>(N) * HV >= 4LL * num_sms() ? kDecV2Default : 0;
-}
-
 // Defined in delta_fwd_launch.cuh and explicitly instantiated in delta_fwd_launch_{f32,bf16,f16}.cu (one file
 // per state dtype, so the kernels compile in parallel).
 template <bool PC, bool VF, typename S>

@@ -43,7 +43,6 @@ struct FwdParams {
                                   // (decode kernel: 16-byte accesses; the launcher sets it)
   bool tvec;                      // decode kernel: q, k, g rows allow aligned 16-byte loads (K % 8 == 0)
   bool vvec;                      // decode kernel: v rows allow aligned 16-byte loads (V % 8 == 0)
-  int dec_hint;                   // bulk decode kernel: bit 0 L2 evict-first state reads, bit 1 streaming stores
 };
 
 template <bool VF, int CW, int KMAX>
