@@ -74,6 +74,10 @@ def main():
                     help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_BWD values (2 the fp32 SIMT state_bwd2, 3 "
                          "state_bwd3 on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 4 it with plain "
                          "tf32) to also time the backward with, each as bwd_state_bwdN")
+    ap.add_argument("--bwd-vc", default="",
+                    help="comma-separated KDA_CUDA_CHUNK_BWD_VC values (1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on "
+                         "tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it with plain tf32) to also "
+                         "time the backward with, each as bwd_vcN")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -100,6 +104,7 @@ def main():
                   (args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
         extra += [(True, "bwd", f"bwd_state_bwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_BWD": x})
                   for x in args.bwd_state_bwd.split(",") if x]
+        extra += [(True, "bwd", f"bwd_vc{x}", {"KDA_CUDA_CHUNK_BWD_VC": x}) for x in args.bwd_vc.split(",") if x]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):

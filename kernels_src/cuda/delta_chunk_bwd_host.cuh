@@ -11,6 +11,7 @@
 #include "delta_chunk_bwd_prep.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
+#include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -30,7 +31,7 @@ enum BwdWork {
 };
 // cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
 // state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kBwCfgLen };
+enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
 // says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
@@ -92,6 +93,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // state_bwd2's 1.94 ms, same shape and session; delta_chunk_bwd_state_bwd3.cuh), 4 = it with plain tf32 (0.84 ms;
     // kept to measure), 2 = the fp32 SIMT state_bwd2 (always for fp32 inputs)
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 3);
+    // grad3_vc (the contractions over V of grad v3): 2 = grad3_vc_tc on tensor cores with 3xTF32 products (default
+    // for bf16/fp16 inputs with V % 4 == 0; delta_chunk_bwd_grad3_vc_tc.cuh), 3 = it with plain tf32 (kept to
+    // measure), 1 = the fp32 SIMT grad3_vc (always for fp32 inputs)
+    c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 2);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -240,13 +245,31 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   if (grad_mode == 1) {
     cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   } else if (grad_mode == 3) {
-    static_assert(cb::kVcSmem <= 48 * 1024, "grad3_vc needs no shared-memory attribute");
-    cb::grad3_vc_kernel<PC, 0><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cb::grad3_vc_kernel<PC, 1><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t vc_mode = bwd_cfg(work, kCfgVc);
+    if ((vc_mode == 2 || vc_mode == 3) && p.in_dtype != kF32 && s.V % 4 == 0) {
+      // grad3_vc_tc (tensor cores; 74 / 92 / 55 KB for Z = 0 / 1 / 2: two blocks per SM)
+      const bool bf16 = p.in_dtype == kBF16, precise = vc_mode == 2;
+      auto k0 = cb::grad3_vc_tc<PC, 0>(bf16, precise);
+      auto k1 = cb::grad3_vc_tc<PC, 1>(bf16, precise);
+      auto k2 = cb::grad3_vc_tc<PC, 2>(bf16, precise);
+      allow_dynamic_smem(k0, cb::vctc_smem<0>(), /*max_carveout=*/true);
+      allow_dynamic_smem(k1, cb::vctc_smem<1>(), /*max_carveout=*/true);
+      allow_dynamic_smem(k2, cb::vctc_smem<2>(), /*max_carveout=*/true);
+      k0<<<gchunks, cb::NT, cb::vctc_smem<0>(), st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      k1<<<gchunks, cb::NT, cb::vctc_smem<1>(), st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      k2<<<gchunks, cb::NT, cb::vctc_smem<2>(), st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      static_assert(cb::kVcSmem <= 48 * 1024, "grad3_vc needs no shared-memory attribute");
+      cb::grad3_vc_kernel<PC, 0><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_vc_kernel<PC, 1><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
