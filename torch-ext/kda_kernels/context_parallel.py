@@ -136,8 +136,6 @@ class _OneCallStages:
     """The relay's stages over the one-call core ops (every backend): the prep stages do nothing, the scan runs the
     whole forward and state_bwd the whole backward (grad hands back what it computed)."""
 
-    native = False
-
     def __init__(self, family):
         self.fwd = getattr(ops, f"{family}_chunk_fwd")
         self.bwd = getattr(ops, f"{family}_chunk_bwd")
@@ -165,8 +163,6 @@ class _OneCallStages:
 class _NativeStages:
     """The relay's stages over the staged ops ({family}_chunk_fwd_stage / _bwd_stage; CUDA)."""
 
-    native = True
-
     def __init__(self, family):
         self.fs = getattr(ops, f"{family}_chunk_fwd_stage")
         self.bs = getattr(ops, f"{family}_chunk_bwd_stage")
@@ -175,7 +171,7 @@ class _NativeStages:
         return self.fs([], 0, *x[:6], None, x[6])
 
     def fwd_scan(self, work, x, h0):
-        o, final = self.fs(work, 1, *x[:6], h0, x[6])
+        o, final = self.fs(work, 1, *x[:6], h0, x[6])  # [o, final_state]
         return o, final
 
     def bwd_prep(self, x, grad_o):
