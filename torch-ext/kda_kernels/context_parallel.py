@@ -246,7 +246,7 @@ class _Relay(torch.autograd.Function):
         if r < W - 1:
             _send(final if cu is None else final[-1:], r + 1, group)
         ctx.save_for_backward(q, k, v, g, beta, h0_eff, cu)
-        ctx.scale, ctx.family, ctx.group, ctx.cont, ctx.has_h0 = scale, family, group, cont, h0 is not None
+        ctx.scale, ctx.stages, ctx.group, ctx.cont, ctx.has_h0 = scale, stages, group, cont, h0 is not None
         return o, final
 
     @staticmethod
@@ -258,7 +258,7 @@ class _Relay(torch.autograd.Function):
         N = B if cu is None else cu.numel() - 1
         M = B if cu is None else 1
         f32 = dict(dtype=torch.float32, device=q.device)
-        stages = _stages_for(ctx.family, q, v)
+        stages = ctx.stages  # the forward's choice (same inputs)
         x = (q, k, v, g, beta, ctx.scale, cu)
         grad_o = torch.zeros_like(v) if grad_o is None else grad_o.contiguous()
         dht = torch.zeros(N, HV, K, V, **f32) if grad_final is None else grad_final.float().contiguous()
