@@ -188,6 +188,11 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   }
 }
 
+// The one-call backward and the staged one run only on devices with kGradSmem of shared memory per block
+// (smem_optin checks in chunk_bwd_run / chunk_bwd_stage); the tensor-core state kernels need no check of their own.
+static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
+              "a state kernel needs more shared memory than the device check in chunk_bwd_run guarantees");
+
 // Stage state_fwd: the chunk-start states from initial_state (p.h0).
 template <bool PC>
 void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
@@ -198,9 +203,9 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
   if (!bwd_v2(work)) {
     cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32 &&
-             device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= static_cast<int>(cb::kStateFwd3Smem)) {
+  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
+    // (within kGradSmem, which every chunked backward checks the device for before its first stage)
     auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateFwd3Smem);
     kern<<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
@@ -218,10 +223,9 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
-  // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, where the device offers its 217 KB of shared
-  // memory per block (else state_bwd2)
-  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32 &&
-      device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= static_cast<int>(cb::kStateBwd3Smem)) {
+  // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
+  // kGradSmem, which every chunked backward checks the device for before its first stage)
+  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32) {
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
