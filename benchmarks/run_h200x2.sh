@@ -5,7 +5,7 @@
 #   off), with its CP == one-rank check for every schedule.
 # Carries flash-linear-attention 0.6.0 as wheels in .whl/ (carry=[".whl"]). Phase time limits are env vars;
 # TEST_FILES, FLA_STEPS (fwd,bwd), CP_T, CP_MODES (fwd,fwdbwd), CP_SCHEDULES (relay,affine), CP_RELAY_SHARES
-# (even,0.45), CP_SHARES (affine: even,auto).
+# (even,0.45), CP_SHARES (affine: even,auto); CP=0 skips the context-parallel phase.
 export NCCL_NVLS_ENABLE=0
 source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
@@ -35,6 +35,7 @@ tests_pid=$!
 wait $tests_pid
 { echo "== tests (GPU 1)"; grep -v "^\s*$" /tmp/tests.log | tail -40; } >> "$LOG"
 tail -3 /tmp/tests.log
+[ "${CP:-1}" = 1 ] || exit 0
 echo "== context parallel (2 GPUs)" >> "$LOG"
 timeout ${CP_TIMEOUT:-300} python3 benchmarks/cp/benchmark_cp.py --check --T ${CP_T:-131072,524288} --modes ${CP_MODES:-fwd,fwdbwd} \
   --schedules ${CP_SCHEDULES:-relay,affine} --relay-shares ${CP_RELAY_SHARES:-even,0.45} --shares ${CP_SHARES:-even,auto} \
