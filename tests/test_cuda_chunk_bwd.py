@@ -196,12 +196,13 @@ def test_chunk_bwd_vc_tc_many_chunks(family, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "varlen_empty", "gva_4x", "odd_dims", "extreme_gates",
+@pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "varlen_empty", "gva_4x", "odd_dims", "gate_div_0.1",
                                   "T200_gates_1e4", "T1000", "v200_blocks_varlen"])
 def test_gdn_grad3_matches_grad3_ch(case, dtype, monkeypatch):
     # GDN's last grad kernel grad3_gdn (per-head decays as plain products on tensor cores; the default,
     # KDA_CUDA_CHUNK_BWD_CH=2) against the per-channel grad3_ch (=1, kept to compare), same inputs with initial state
-    # and grad of the final state, 30 % of the gates at -20 (T200_gates_1e4: at -1e4, e^g = 0 exactly). The two
+    # and grad of the final state, 30 % of the gates at -20 (bwd_default_and_knob's extreme=True; with gate_div_0.1
+    # that is the extreme_gates case; T200_gates_1e4: at -1e4, e^g = 0 exactly). The two
     # differ only in fp32 rounding (exp of prefix differences vs running products, 2xTF32 / 3xTF32 products vs SIMT
     # FMAs): 1e-4 for the fp32 outputs dg, dbeta (dh0, dv: the same kernels either way), 2e-5 for fp32 dq, dk and
     # the bf16 / fp16 rounding of dq, dk otherwise
