@@ -195,6 +195,48 @@ def test_chunk_bwd_vc_tc_many_chunks(family, dtype, monkeypatch):
         assert_close(name, y.double().cpu(), x.double().cpu(), 0.008 if name in ("dq", "dk", "dv") else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "varlen_empty", "gva_4x", "odd_dims", "gate_div_0.1",
+                                  "T200_gates_1e4", "T1000", "v200_blocks_varlen"])
+def test_gdn_grad3_matches_grad3_ch(case, dtype, monkeypatch):
+    # GDN's last grad kernel grad3_gdn (per-head decays as plain products on tensor cores; the default,
+    # KDA_CUDA_CHUNK_BWD_CH=2) against the per-channel grad3_ch (=1, kept to compare), same inputs with initial state
+    # and grad of the final state, 30 % of the gates at -20 (bwd_default_and_knob's extreme=True; with gate_div_0.1
+    # that is the extreme_gates case; T200_gates_1e4: at -1e4, e^g = 0 exactly). The two
+    # differ only in fp32 rounding (exp of prefix differences vs running products, 2xTF32 / 3xTF32 products vs SIMT
+    # FMAs): 1e-4 for the fp32 outputs dg, dbeta (dh0, dv: the same kernels either way), 2e-5 for fp32 dq, dk and
+    # the bf16 / fp16 rounding of dq, dk otherwise
+    if dtype == "fp16" and case not in ("random_T65", "varlen_empty", "T200_gates_1e4"):
+        pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
+    dt = DTYPES[dtype]
+    a, b = bwd_default_and_knob("gdn", case, dt, 23, "CH=1", monkeypatch)
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert torch.isfinite(x).all(), name
+        assert torch.isfinite(y).all(), name
+        fp32_out = name in ("dg", "dbeta", "dh0")
+        tol = 1e-4 if fp32_out else (2e-5 if dt == torch.float32 else 0.008)
+        assert_close(name, y.double().cpu(), x.double().cpu(), tol)
+    # the knob really selects another kernel: the outputs differ in rounding somewhere (the same numbers everywhere
+    # would mean CH=1 ran the default kernel again)
+    if case != "T1":
+        assert any(not torch.equal(x, y) for x, y in zip(a[:4], b[:4])), \
+            "KDA_CUDA_CHUNK_BWD_CH=1 gave bit-identical dq, dk, dv, dg: the knob had no effect?"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["random_T65", "varlen_empty", "gva_4x", "odd_dims", "extreme_gates",
+                                  "extreme_gates_mild", "gate_div_0.1", "T1000", "v256_blocks"])
+def test_gdn_grad3_reference(case, dtype, monkeypatch):
+    # grad3_gdn (selected explicitly, KDA_CUDA_CHUNK_BWD_CH=2) against autograd through the float64 reference, with
+    # initial state and grad of the final state, at DESIGN.md section 6 tolerances (as test_chunk_bwd)
+    if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "varlen_empty", "gva_4x"):
+        pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
+    if case == "T1000" and dtype != "fp32":
+        pytest.skip("the long case runs once (fp32, the tightest tolerance)")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_CH", "2")
+    _run("gdn", case, DTYPES[dtype])
+
+
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["random_T65", "varlen_empty", "odd_dims", "T200_gates_1e4"])
 def test_chunk_bwd_prep3_fp16_matches_prep2(family, case, monkeypatch):

@@ -12,6 +12,7 @@
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
+#include "delta_chunk_bwd_grad3_gdn.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -276,6 +277,19 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
     }
     cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if constexpr (!PC) {
+      // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
+      // for bf16-fp16 / fp32 inputs: two blocks per SM) by default; KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel
+      // grad3_ch (kept to compare)
+      if (env_int("KDA_CUDA_CHUNK_BWD_CH", 2) != 1) {
+        auto kern = cb::grad3_gdn<PC>(p.in_dtype);
+        const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
+        allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
+        kern<<<gchunks, cb::NT, smem, st>>>(p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
     cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
   } else {
     cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
