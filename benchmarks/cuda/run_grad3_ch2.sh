@@ -43,6 +43,7 @@ for m in ("2", "3"):
           "finite:", all(bool(torch.isfinite(x).all()) for x in res[m]))
 print("CH=2 vs CH=3 identical:", all(bool(torch.equal(a, b)) for a, b in zip(res["2"], res["3"])))
 PY
-timeout ${TEST_TIMEOUT:-75} python3 -m pytest -q $XD -p no:cacheprovider tests/test_cuda_chunk_bwd.py \
+TT=$(( ${CALL_LIMIT:-268} - SECONDS )); echo "tests get ${TT}s"
+timeout ${TEST_TIMEOUT:-$TT} python3 -m pytest -q $XD -p no:cacheprovider tests/test_cuda_chunk_bwd.py \
   tests/test_cuda_stages.py 2>&1 | tail -40 > "$OUT/tests.log"
 tail -4 "$OUT/tests.log"
