@@ -104,16 +104,30 @@ def test_chunk_bwd_matches_recurrent_bwd(family):
         assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
 
 
+def _gates_50(g, rows):
+    """The -20 gates of make_inputs(extreme=True) at -50 (e^g ~ 2e-22: products of two or three underflow in fp32),
+    mixed with the logsigmoid ones; rows: also every channel of every 7th token at -50 (whole 16-row sub-blocks'
+    decay totals reach 0)."""
+    g = torch.where(g == -20.0, torch.full_like(g, -50.0), g)
+    if rows:
+        g = g.clone()
+        g[:, ::7] = -50.0
+    return g
+
+
 def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     """The chunked backward's gradients with the default kernels and with `knob` ("NAME=VAL[,NAME=VAL]", each
     setting KDA_CUDA_CHUNK_BWD_<NAME>, read by the host at every call), same inputs and cotangents. Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
-    T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly)."""
+    T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly), T200_gates_50[_rows]
+    at -50 (_gates_50)."""
     spec = dict(CASES[case]) if case in CASES else dict(B=1, T=200, H=1, HV=2)
     cu_list = spec.pop("cu", None)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=seed, extreme=True, cu=cu_list, **spec)
     if case == "T200_gates_1e4":
         g = torch.where(g == -20.0, torch.full_like(g, -1e4), g)
+    if case.startswith("T200_gates_50"):
+        g = _gates_50(g, case.endswith("_rows"))
     N = q.shape[0] if cu is None else cu.numel() - 1
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     h0 = torch.randn(N, HV, K, V, device=DEV) * 0.5
@@ -246,3 +260,54 @@ def test_chunk_bwd_prep3_fp16_matches_prep2(family, case, monkeypatch):
         assert torch.isfinite(x).all(), name
         assert torch.isfinite(y).all(), name
         assert_close(name, y.double().cpu(), x.double().cpu(), 0.004 if name in ("dq", "dk", "dv") else 1e-4)
+
+
+CH2_CASES = ["varlen_empty", "gva_4x", "odd_dims", "T1000", "T200_gates_50", "T200_gates_50_rows", "T200_gates_1e4"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CH2_CASES)
+@pytest.mark.parametrize("knob", ["CH=1", "CH=3"])
+def test_chunk_bwd_ch2_matches_ch1(case, dtype, knob, monkeypatch):
+    # KDA's per-channel grad stage: grad3_ch2 (the default, delta_chunk_bwd_grad3_ch2.cuh: clusters of 4 blocks of
+    # 32 channels, dbeta summed over the cluster) against grad3_ch_kernel (KDA_CUDA_CHUNK_BWD_CH=1), and against its
+    # own 128-register instance (=3); same fp32 quantities, only the summation order differs. Varlen with empty
+    # sequences, GVA, odd K (channel groups past K), 16 chunks, gates at -50 (products underflow) and -1e4 (e^g = 0)
+    # mixed with ordinary ones; initial state and grad of the final state throughout
+    a, b = bwd_default_and_knob("kda", case, dtype, 23, knob, monkeypatch)
+    tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert torch.isfinite(x).all(), name
+        assert torch.isfinite(y).all(), name
+        assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5 if name in ("dg", "dbeta", "dh0") else tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["varlen_empty", "gva_4x", "T200_gates_50", "T200_gates_50_rows"])
+def test_chunk_bwd_ch2_reference(case, dtype):
+    # grad3_ch2 (the default for KDA) against autograd through the float64 reference with gates at -50 mixed with
+    # ordinary ones (and whole rows at -50), varlen with empty sequences, GVA; initial state and grad of the final
+    # state (DESIGN.md section 6 tolerances, as test_chunk_bwd)
+    spec = dict(CASES[case]) if case in CASES else dict(B=1, T=200, H=1, HV=2)
+    cu_list = spec.pop("cu", None)
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make_inputs("kda", dtype=dtype, seed=29, extreme=True, cu=cu_list, **spec)
+    if case.startswith("T200_gates_50"):
+        g = _gates_50(g, case.endswith("_rows"))
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    gen = torch.Generator().manual_seed(31)
+    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV)
+    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
+    do = torch.randn(*v.shape, generator=gen).to(DEV).to(dtype)
+    scale = K ** -0.5
+    out = OPS.kda_chunk_bwd(q, k, v, g, beta, scale, h0, cu, do, dht)
+    torch.cuda.synchronize()
+    xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0r = h0.cpu().double().requires_grad_(True)
+    ro, rs = ref_delta_rule(*xs, scale=scale, initial_state=h0r, cu_seqlens=None if cu is None else cu.cpu())
+    loss = (ro * do.cpu().double()).sum() + (rs * dht.cpu().double()).sum()
+    grads = torch.autograd.grad(loss, xs + [h0r])
+    tols = (TOL_DX, TOL_DX, TOL_DX, TOL_DG, TOL_DG, TOL_DX)
+    for name, r, o, tol in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, out, tols):
+        assert_close(f"kda {case} {name}", r, o.cpu(), tol[dtype])

@@ -78,6 +78,9 @@ def main():
                     help="comma-separated KDA_CUDA_CHUNK_BWD_VC values (1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on "
                          "tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it with plain tf32) to also "
                          "time the backward with, each as bwd_vcN")
+    ap.add_argument("--bwd-ch", default="",
+                    help="comma-separated KDA_CUDA_CHUNK_BWD_CH values (1 grad3_ch_kernel, 2 grad3_ch2, the default for "
+                         "KDA, 3 its 128-register instance) to also time the backward with, each as bwd_chN")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -105,6 +108,7 @@ def main():
         extra += [(True, "bwd", f"bwd_state_bwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_BWD": x})
                   for x in args.bwd_state_bwd.split(",") if x]
         extra += [(True, "bwd", f"bwd_vc{x}", {"KDA_CUDA_CHUNK_BWD_VC": x}) for x in args.bwd_vc.split(",") if x]
+        extra += [(True, "bwd", f"bwd_ch{x}", {"KDA_CUDA_CHUNK_BWD_CH": x}) for x in args.bwd_ch.split(",") if x]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):

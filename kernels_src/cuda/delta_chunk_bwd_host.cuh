@@ -13,6 +13,7 @@
 #include "delta_chunk_bwd_state_bwd3.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
+#include "delta_chunk_bwd_grad3_ch2.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -277,7 +278,14 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
     }
     cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if constexpr (!PC) {
+    if constexpr (PC) {
+      // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM) by
+      // default (=3: its 128-register instance); KDA_CUDA_CHUNK_BWD_CH=1 runs grad3_ch_kernel (one 226 KB block
+      // per SM; kept to compare)
+      const int ch_mode = env_int("KDA_CUDA_CHUNK_BWD_CH", 2);
+      if (ch_mode == 1) cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
+      else cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
+    } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
       // for bf16-fp16 / fp32 inputs: two blocks per SM) by default; KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel
       // grad3_ch (kept to compare)
@@ -289,8 +297,8 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         return;
       }
+      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
     }
-    cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
   } else {
     cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   }
