@@ -181,3 +181,73 @@ def test_fused_gates_match_reference(kda):
     gh = torch.randn(2, 5, HV, generator=gen)
     dth = torch.randn(HV, generator=gen)
     assert_close("gdn gate", ref_gate(gh, A, dth, per_channel=False), kda.fused_gdn_gate(gh, A, dth), 1e-6)
+
+
+# flash-linear-attention 0.6.0's positional parameters of the four public functions (read from its source), the
+# contract of DESIGN.md section 2: calls written for fla must bind the same way here.
+FLA_060_POSITIONAL = {
+    "chunk_kda": ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                  "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                  "safe_gate", "lower_bound", "disable_recompute", "return_intermediate_states", "state_v_first",
+                  "cu_seqlens"],
+    "chunk_gated_delta_rule": ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                               "state_v_first", "cu_seqlens"],
+    "fused_recurrent_kda": ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state",
+                            "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                            "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
+                            "cu_seqlens"],
+    "fused_recurrent_gated_delta_rule": ["q", "k", "v", "g", "gk", "gv", "beta", "scale", "initial_state",
+                                         "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                         "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                                         "state_v_first", "cu_seqlens"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLA_060_POSITIONAL))
+def test_positional_order_is_fla_060(kda, name):
+    import inspect
+    params = inspect.signature(getattr(kda, name)).parameters.values()
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == FLA_060_POSITIONAL[name]
+
+
+def test_positional_calls_bind_like_fla(kda):
+    x = make_inputs("gdn", T=20, initial_state=True)
+    ref, sref = kda.fused_recurrent_gated_delta_rule(**x, scale=0.3, output_final_state=True)
+    o, s = kda.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], None, None, x["beta"], 0.3,
+                                                x["initial_state"], True)
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+    torch.testing.assert_close(s, sref, rtol=0, atol=0)
+    x = make_inputs("kda", T=20, initial_state=True)
+    ref, _ = kda.fused_recurrent_kda(**x, scale=0.3)
+    o, _ = kda.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, 0.3, x["initial_state"])
+    torch.testing.assert_close(o, ref, rtol=0, atol=0)
+
+
+def test_gdn_recurrent_old_positional_order_is_refused(kda):
+    x = make_inputs("gdn", T=5)
+    with pytest.raises(ValueError, match="fused_recurrent_gated_delta_rule.*gk.*beta=") as e:
+        kda.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert "fused_recurrent_kda" in str(e.value)
+    with pytest.raises(ValueError, match="gk / gv"):
+        kda.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], gv=x["beta"], beta=x["beta"])
+    with pytest.raises(ValueError, match="beta.*required"):
+        kda.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"])
+
+
+def test_unknown_and_unsupported_keywords_raise(kda):
+    x = make_inputs("kda", T=5)
+    for name in ("chunk_kda", "fused_recurrent_kda"):
+        fn = getattr(kda, name)
+        with pytest.raises(TypeError, match=f"{name}.*initial_states"):
+            fn(**x, initial_states=torch.zeros(1, 2, 32, 16))  # misspelt: must not be dropped silently
+        with pytest.raises(ValueError, match="return_intermediate_states"):
+            fn(**x, return_intermediate_states=True)
+        with pytest.raises(ValueError, match="cp_context.*context_parallel"):
+            fn(**x, cp_context=object())
+    # fla's scheduling hints and Transformers' bookkeeping are accepted and change nothing
+    o1, _ = kda.chunk_kda(**x)
+    o2, _ = kda.chunk_kda(**x, safe_gate=True, disable_recompute=True, cu_seqlens_cpu=None, chunk_indices=None,
+                          use_cache=True, layer_idx=3)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)

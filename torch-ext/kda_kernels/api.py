@@ -10,16 +10,29 @@ from . import _validate
 from .gate import _gate
 from .ops import ops
 
-# Keyword arguments flash-linear-attention or Transformers pass that change nothing here.
-_IGNORED_KWARGS = {"cu_seqlens_cpu", "use_cache", "safe_gate", "disable_recompute", "return_intermediate_states",
-                   "cp_context", "chunk_indices", "layer_idx", "output_attentions"}
+# Keyword arguments flash-linear-attention or Transformers pass that change nothing here (safe_gate: our gates
+# are exact for any gate, bounded or not; the rest are fla's scheduling hints or Transformers' bookkeeping).
+_IGNORED_KWARGS = {"cu_seqlens_cpu", "use_cache", "safe_gate", "disable_recompute", "chunk_indices", "layer_idx",
+                   "output_attentions", "use_graph", "max_num_seqs", "chunk_size"}
+# fla keyword arguments this package supports only at their default value (anything else would change the result).
+_DEFAULT_ONLY_KWARGS = {"head_first": False, "transpose_state_layout": False, "return_intermediate_states": False,
+                        "cp_context": None}
 
 
 def _check_kwargs(op, kwargs):
+    """Unknown keywords raise (a misspelt `initial_states=` must not be dropped silently)."""
     if kwargs.get("head_first", False):
         raise ValueError(f"[{op}] head_first=True is not supported: inputs are time-major [B, T, H, K]")
     if kwargs.get("transpose_state_layout", False):
         raise ValueError(f"[{op}] use state_v_first=True for [N, HV, V, K] states")
+    if kwargs.get("return_intermediate_states", False):
+        raise ValueError(f"[{op}] return_intermediate_states=True is not supported")
+    if kwargs.get("cp_context") is not None:
+        raise ValueError(f"[{op}] fla's cp_context is not supported: use kda_kernels.context_parallel "
+                         "(chunk_kda_cp / chunk_gated_delta_rule_cp, docs/context_parallel.md)")
+    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - set(_DEFAULT_ONLY_KWARGS))
+    if unknown:
+        raise TypeError(f"[{op}] unexpected keyword argument(s) {unknown}")
 
 
 def _l2norm(x):
@@ -76,19 +89,26 @@ def _chunk(op, family, q, k, v, g, beta, scale, initial_state, output_final_stat
     return o, (_from_k_first(final_state, state_v_first) if output_final_state else None)
 
 
+# Positional order: flash-linear-attention 0.6.0's, argument for argument, as far as its own list goes (so calls
+# written for fla bind the same way); this package's extras are keyword-only after it.
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
-              dt_bias=None, **kwargs):
-    """Chunked Kimi Delta Attention (per-channel gate g [B, T, HV, K], log space). Returns (o, final_state|None)."""
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, *, A_log=None, dt_bias=None,
+              **kwargs):
+    """Chunked Kimi Delta Attention (per-channel gate g [B, T, HV, K], log space). Returns (o, final_state|None).
+
+    safe_gate and disable_recompute are accepted for fla compatibility and change nothing (the gate is exact for
+    any values); return_intermediate_states must be False."""
+    kwargs = dict(kwargs, return_intermediate_states=return_intermediate_states)
     return _chunk("chunk_kda", "kda", q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   lower_bound, cu_seqlens, state_v_first, A_log, dt_bias, kwargs)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                           allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, *, use_gate_in_kernel=False, lower_bound=None,
                            A_log=None, dt_bias=None, **kwargs):
     """Chunked Gated DeltaNet (per-head gate g [B, T, HV], log space). Returns (o, final_state|None)."""
     return _chunk("chunk_gated_delta_rule", "gdn", q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -210,11 +230,11 @@ def _zero_skipped(o, idx, cu, B, T):
     return o if keep is None else o * keep.to(o.dtype).view(1, T, 1, 1)
 
 
-def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                        allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
-                        dt_bias=None, ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True,
-                        **kwargs):
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+                        cu_seqlens=None, *, ssm_state_indices=None, num_accepted_tokens=None,
+                        inplace_final_state=True, **kwargs):
     """Token-by-token KDA; same results as chunk_kda, differentiable, plus state-pool serving arguments.
 
     With ssm_state_indices, initial_state is a state pool [P, HV, K, V] (docs/ops.md): sequence n starts from
@@ -228,14 +248,27 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
                       state_v_first, A_log, dt_bias, kwargs)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                                     cu_seqlens=None, state_v_first=False, A_log=None, dt_bias=None,
-                                     ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True,
-                                     **kwargs):
-    """Token-by-token Gated DeltaNet; see fused_recurrent_kda."""
-    return _recurrent("fused_recurrent_gated_delta_rule", "gdn", q, k, v, g, beta, scale, initial_state,
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, lower_bound=None, ssm_state_indices=None,
+                                     num_accepted_tokens=None, inplace_final_state=True, **kwargs):
+    """Token-by-token Gated DeltaNet; see fused_recurrent_kda. fla 0.6.0's order: g, gk, gv, beta.
+
+    g (per head) and beta are required; fla's per-key / per-value gates gk, gv are not supported (a per-key gate
+    is KDA: fused_recurrent_kda)."""
+    op = "fused_recurrent_gated_delta_rule"
+    if gk is not None or gv is not None:
+        hint = ""
+        if gk is not None and beta is None and gv is None:
+            hint = (" (the fifth positional argument is gk in flash-linear-attention 0.6.0's order q, k, v, g, gk, gv,"
+                    " beta: pass beta=... by keyword)")
+        raise ValueError(f"[{op}] gk / gv (per-key / per-value gates) are not supported{hint}; a per-key gate is "
+                         "KDA: use fused_recurrent_kda")
+    if g is None or beta is None:
+        raise ValueError(f"[{op}] g (log decay [B, T, HV]) and beta ([B, T, HV]) are required")
+    return _recurrent(op, "gdn", q, k, v, g, beta, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                       inplace_final_state, state_v_first, A_log, dt_bias, kwargs)
