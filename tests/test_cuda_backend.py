@@ -309,9 +309,13 @@ def test_public_api_autograd_and_decode(family):
 # ------------------------------------------------------------------------------------------------ decode kernel
 # delta_decode_kernel (one token per sequence): every configuration (KDA_CUDA_DEC_CFG 0-3), the register and the
 # shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
-# items per warp), and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape
-# kernels, other shapes the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
-DEC_VARIANTS = [f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
+# items per warp, 3: a pipelined loop over KDA_CUDA_DEC_IPW items per warp (0: auto); _ipw3: 3 items, which leaves
+# the last block part empty, _h31: every memory hint of KDA_CUDA_DEC_HINT, grid-stride item order), and the general
+# kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape kernels, other shapes the generic
+# ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
+DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2, 3)] + ["general"]
+                + [f"cfg{c}_stage3_ipw3" for c in range(4)] + ["cfg1_stage3_ipw3_h31", "cfg2_stage3_ipw2_h31",
+                                                                "cfg1_stage1_h11"])
 
 
 def _dec_env(monkeypatch, variant):
@@ -319,8 +323,12 @@ def _dec_env(monkeypatch, variant):
         monkeypatch.setenv("KDA_CUDA_DECODE", "0")
         return
     monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    monkeypatch.setenv("KDA_CUDA_DEC_CFG", variant[3])
-    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", variant[-1])
+    parts = variant.split("_")
+    monkeypatch.setenv("KDA_CUDA_DEC_CFG", parts[0][3:])
+    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", parts[1][5:])
+    extra = dict((p[0], p.lstrip("iphw")) for p in parts[2:])
+    monkeypatch.setenv("KDA_CUDA_DEC_IPW", extra.get("i", "0"))
+    monkeypatch.setenv("KDA_CUDA_DEC_HINT", extra.get("h", "0"))
 
 
 def _decode_case(family, pool_dtype, v_first, B, K, V, seed, idx_kind="flat"):

@@ -4,6 +4,9 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session2 --decode-only --sweep
         # decode only, plus every decode-kernel variant (KDA_CUDA_DEC_CFG x KDA_CUDA_DEC_STAGE, and the general
         # kernel with KDA_CUDA_DECODE=0) on fp32 / bf16 pools in both layouts, CUDA graphs only
+    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 --rep 50
+        # decode only, plus the session-7 variants (stage 3 pipelined loop, items per warp, memory hints; SWEEP7
+        # below) and elementwise copies of the state's size under graphs (same-size ceilings)
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 DEV = "cuda"
 RES = []
+REP = [200]
 
 
 META = {}
@@ -54,7 +58,8 @@ def mk(B, T, H, HV, K, V, kda, req=False):
     return [x.requires_grad_(req) for x in (q, k, v, g.float(), beta)]
 
 
-def timed(fn, graphs=True, eager=True, rep=200):
+def timed(fn, graphs=True, eager=True, rep=None):
+    rep = rep or REP[0]
     fn()
     torch.cuda.synchronize()
     eager = do_bench(fn, warmup=25, rep=rep, return_mode="median") if eager else None
@@ -69,7 +74,25 @@ def timed(fn, graphs=True, eager=True, rep=200):
 
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
-DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE")
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_IPW", "KDA_CUDA_DEC_HINT")
+
+
+def _v7(name):
+    """'s3_i4_h2_c1' -> stage 3, KDA_CUDA_DEC_IPW=4, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default)."""
+    env = {}
+    for part in name.split("_"):
+        key = {"s": "KDA_CUDA_DEC_STAGE", "i": "KDA_CUDA_DEC_IPW", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG"}
+        env[key[part[0]]] = part[1:]
+    return name, env
+
+
+# session 7: stage 1 (the default) with memory hints; stage 3 (pipelined loop) with auto / fixed items per warp,
+# hints (h1 evict-first loads, h2 streaming stores, h4 grid-stride order, h8 L2::256B prefetch, h16 inputs
+# prefetched into L1) and other configurations; B=256 gets all, B=64 and B=1 the first SWEEP7_SMALL
+SWEEP7 = [_v7(n) for n in ("s1", "s3", "s3_h2", "s3_h4", "s3_h16", "s3_h6", "s1_h2", "s1_h1", "s3_h1", "s3_h3",
+                           "s3_h8", "s3_h18", "s3_h20", "s3_h22", "s3_i2", "s3_i4", "s3_i8", "s3_c0", "s3_c1", "s3_c2",
+                           "s3_c2_h4")]
+SWEEP7_SMALL = 6
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -84,8 +107,13 @@ def main():
     ap.add_argument("--prefix", default="cuda_bench")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep7", action="store_true")
+    ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
+    ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
+    ap.add_argument("--batches", default="1,64,256")
     args = ap.parse_args()
     PREFIX[0] = args.prefix
+    REP[0] = args.rep
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = META
@@ -111,10 +139,21 @@ def main():
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
     rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
     del x, y
+    if args.sweep7:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
+        for dt, nm in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            x = torch.randn(256 * 32 * 128 * 128, device=DEV).to(dt)
+            y = torch.empty_like(x)
+            nb = 2 * x.numel() * x.element_size()
+            _, gr = timed(lambda: torch.mul(x, 1.0, out=y), eager=False, rep=args.sweep_rep * 3)
+            rec(name=f"ew_copy_state_{nm}_graph", B=256, graph_ms=round(gr, 5), graph_TBps=round(nb / gr / 1e9, 3))
+            _, gr = timed(lambda: x.mul_(1.0), eager=False, rep=args.sweep_rep * 3)
+            rec(name=f"ew_inplace_state_{nm}_graph", B=256, graph_ms=round(gr, 5),
+                graph_TBps=round(nb / gr / 1e9, 3))
+            del x, y
 
     H, HV, K, V = 16, 32, 128, 128
     scale = K ** -0.5
-    for B in (1, 64, 256):
+    for B in [int(b) for b in args.batches.split(",")]:
         for fam in ("kda", "gdn"):
             kda = fam == "kda"
             q, k, v, g, beta = mk(B, 1, H, HV, K, V, kda)
@@ -137,9 +176,10 @@ def main():
                 core = getattr(ops, f"{fam}_recurrent_fwd")
                 e, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None))
                 row("ours_core_fwd", e, gr, fp32_bytes)
-                api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
-                e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
-                row("ours_public_api", e, gr, fp32_bytes)
+                if not args.sweep7:
+                    api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
+                    e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    row("ours_public_api", e, gr, fp32_bytes)
                 serve = getattr(ops, f"{fam}_recurrent_serve")
                 idx = torch.arange(B, device=DEV)
                 pool32 = h0.clone()
@@ -169,6 +209,31 @@ def main():
                         rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
                             graph_TBps=round(fp32_bytes / gr / 1e9, 3))
                     set_env({})
+                if args.sweep7:  # session-7 variants, CUDA graphs only
+                    pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
+                             ("bf16_pool_vfirst", poolvf16, True, bf16_bytes),
+                             ("fp32_pool_vfirst", poolvf, True, fp32_bytes))
+                    variants = SWEEP7 if B >= 256 else SWEEP7[:SWEEP7_SMALL]
+                    for vname, env in variants:
+                        set_env(env)
+                        _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False,
+                                      rep=args.sweep_rep)
+                        rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
+                            graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                        for pname, pool, vf, nbytes in pools:
+                            _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool, idx, None, None, vf),
+                                          eager=False, rep=args.sweep_rep)
+                            rec(name=f"{fam}_decode_sweep", impl=f"serve_{pname}:{vname}", B=B, graph_ms=round(gr, 5),
+                                graph_TBps=round(nbytes / gr / 1e9, 3))
+                    set_env({})
+                    # the defaults again (drift check)
+                    _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False, rep=args.sweep_rep)
+                    rec(name=f"{fam}_decode_sweep", impl="core_fwd:default_again", B=B, graph_ms=round(gr, 5),
+                        graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                    _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool16, idx, None, None, False),
+                                  eager=False, rep=args.sweep_rep)
+                    rec(name=f"{fam}_decode_sweep", impl="serve_bf16_pool:default_again", B=B, graph_ms=round(gr, 5),
+                        graph_TBps=round(bf16_bytes / gr / 1e9, 3))
             del h0, pool32, pool16, poolvf, poolvf16
             torch.cuda.empty_cache()
 
@@ -195,6 +260,12 @@ def main():
                         graph_ms=None if gr is None else round(gr, 4))
             torch.cuda.empty_cache()
 
+    if args.decode_only:  # the ceiling again (drift over the run)
+        x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=DEV)
+        y = torch.empty_like(x)
+        ms = do_bench(lambda: y.copy_(x), return_mode="median")
+        rec(name="d2d_copy_4GB_rw", when="end", ms=round(ms, 4), TBps=round(2 * x.numel() * 2 / ms / 1e9, 3))
+        del x, y
     out = {"meta": meta, "results": RES}
     (OUT / f"{args.prefix}.json").write_text(json.dumps(out, indent=1))
     table(out)

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Session 7, one device call (H200): build the CUDA variant (sm_90), the decode-kernel tests of the new variants
+# (stage 3, memory hints), the decode benchmark beside fla 0.6.0 with the session-7 sweep, then the other decode
+# tests while time is left. Everything under $OUT; the steps' time limits keep the whole under ~270 s.
+#   OUT=/tmp/o bash benchmarks/cuda/run_decode7.sh
+source "$(dirname "$0")/device_env.sh"
+T0=$(date +%s)
+left() { echo $(( ${TOTAL_S:-268} - ($(date +%s) - T0) )); }
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; nvcc --version | tail -1;
+  python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } 2>&1 | tee "$OUT/env.txt"
+BUILD_TIMEOUT=150 build_cuda 16
+grep -E "delta_decode_kernel.*Li3EE|registers" "$OUT/build.log" | grep -A1 "Li3EE" | head -40 > "$OUT/ptxas_stage3.txt"
+echo "== tests (new variants) at $(( $(date +%s) - T0 ))s"
+timeout 40 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
+  -k "decode and (stage3 or h11)" 2>&1 | tail -15 | tee "$OUT/tests_new.log"
+echo "== bench at $(( $(date +%s) - T0 ))s"
+timeout $(( $(left) - 25 )) python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 \
+  --rep 40 --sweep-rep 20 --batches 256,64,1 > "$OUT/bench.log" 2>&1
+tail -5 "$OUT/bench.log"
+echo "== remaining decode tests at $(( $(date +%s) - T0 ))s"
+L=$(left); [ "$L" -gt 8 ] && timeout $L python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
+  -k "(decode or serve) and not stage3 and not h11" 2>&1 | tail -15 | tee "$OUT/tests_rest.log"
+cp "$OUT"/cuda_decode_session7.* "$OUT"/ 2>/dev/null
+cd "$OUT" && tar czf results.tgz *.log *.txt cuda_decode_session7.* 2>/dev/null; ls -la "$OUT"
