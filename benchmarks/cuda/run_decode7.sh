@@ -9,7 +9,7 @@ left() { echo $(( ${TOTAL_S:-268} - ($(date +%s) - T0) )); }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv; nvcc --version | tail -1;
   python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } 2>&1 | tee "$OUT/env.txt"
 BUILD_TIMEOUT=150 build_cuda 16
-grep -E "delta_decode_kernel.*Li3EE|registers" "$OUT/build.log" | grep -A1 "Li3EE" | head -40 > "$OUT/ptxas_stage3.txt"
+grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | grep -A2 "delta_decode_kernel" > "$OUT/ptxas_decode.txt"
 echo "== tests (new variants) at $(( $(date +%s) - T0 ))s"
 timeout 40 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
   -k "decode and (stage3 or h11)" 2>&1 | tail -15 | tee "$OUT/tests_new.log"
@@ -20,5 +20,5 @@ tail -5 "$OUT/bench.log"
 echo "== remaining decode tests at $(( $(date +%s) - T0 ))s"
 L=$(left); [ "$L" -gt 8 ] && timeout $L python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
   -k "(decode or serve) and not stage3 and not h11" 2>&1 | tail -15 | tee "$OUT/tests_rest.log"
-cp "$OUT"/cuda_decode_session7.* "$OUT"/ 2>/dev/null
-cd "$OUT" && tar czf results.tgz *.log *.txt cuda_decode_session7.* 2>/dev/null; ls -la "$OUT"
+cd "$OUT" && tar czf results.tgz *.log *.txt cuda_decode_session7.* 2>/dev/null && rm -f build.log ptxas_decode.txt
+ls -la "$OUT"; echo "== done at $(( $(date +%s) - T0 ))s"
