@@ -11,11 +11,11 @@ left() { echo $(( ${TOTAL_S:-268} - ($(date +%s) - T0) )); }
 BUILD_TIMEOUT=150 build_cuda 16
 grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | grep -A2 "delta_decode_kernel" > "$OUT/ptxas_decode.txt"
 echo "== tests (new variants) at $(( $(date +%s) - T0 ))s"
-timeout 40 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
+timeout 35 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
   -k "decode and (stage3 or h11)" 2>&1 | tail -15 | tee "$OUT/tests_new.log"
 echo "== bench at $(( $(date +%s) - T0 ))s"
 timeout $(( $(left) - 25 )) python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 \
-  --rep 40 --sweep-rep 20 --batches 256,64,1 > "$OUT/bench.log" 2>&1
+  --rep 30 --sweep-rep 15 --batches 256,64,1 > "$OUT/bench.log" 2>&1
 tail -5 "$OUT/bench.log"
 echo "== remaining decode tests at $(( $(date +%s) - T0 ))s"
 L=$(left); [ "$L" -gt 8 ] && timeout $L python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_cuda_backend.py \
