@@ -309,13 +309,12 @@ def test_public_api_autograd_and_decode(family):
 # ------------------------------------------------------------------------------------------------ decode kernel
 # delta_decode_kernel (one token per sequence): every configuration (KDA_CUDA_DEC_CFG 0-3), the register and the
 # shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
-# items per warp, 3: a pipelined loop over KDA_CUDA_DEC_IPW items per warp (0: auto); _ipw3: 3 items, which leaves
-# the last block part empty, _h31: every memory hint of KDA_CUDA_DEC_HINT, grid-stride item order), and the general
-# kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape kernels, other shapes the generic
-# ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
-DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2, 3)] + ["general"]
-                + [f"cfg{c}_stage3_ipw3" for c in range(4)] + ["cfg1_stage3_ipw3_h31", "cfg2_stage3_ipw2_h31",
-                                                                "cfg1_stage1_h11"])
+# items per warp), with the default memory hints, and some with KDA_CUDA_DEC_HINT set (_h0: none; _h11: every hint:
+# evict-first loads, streaming stores, L2::256B prefetch), and the general kernel (KDA_CUDA_DECODE=0) for
+# comparison; K = V = 128 takes the fixed-shape kernels, other shapes the generic ones (registers only, whatever
+# KDA_CUDA_DEC_STAGE says).
+DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
+                + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage2_h11", "cfg3_stage0_h11"])
 
 
 def _dec_env(monkeypatch, variant):
@@ -323,12 +322,13 @@ def _dec_env(monkeypatch, variant):
         monkeypatch.setenv("KDA_CUDA_DECODE", "0")
         return
     monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    parts = variant.split("_")
-    monkeypatch.setenv("KDA_CUDA_DEC_CFG", parts[0][3:])
-    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", parts[1][5:])
-    extra = dict((p[0], p.lstrip("iphw")) for p in parts[2:])
-    monkeypatch.setenv("KDA_CUDA_DEC_IPW", extra.get("i", "0"))
-    monkeypatch.setenv("KDA_CUDA_DEC_HINT", extra.get("h", "0"))
+    cfg, stage, *hint = variant.split("_")
+    monkeypatch.setenv("KDA_CUDA_DEC_CFG", cfg[3:])
+    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", stage[5:])
+    if hint:
+        monkeypatch.setenv("KDA_CUDA_DEC_HINT", hint[0][1:])
+    else:
+        monkeypatch.delenv("KDA_CUDA_DEC_HINT", raising=False)
 
 
 def _decode_case(family, pool_dtype, v_first, B, K, V, seed, idx_kind="flat"):
@@ -369,7 +369,7 @@ def test_decode_serve(family, pool_dtype, v_first, B, variant, monkeypatch):
     assert torch.equal(after[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("variant", [v for v in DEC_VARIANTS if v.endswith("0")] + ["general"])
+@pytest.mark.parametrize("variant", [v for v in DEC_VARIANTS if "stage0" in v] + ["general"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("K,V", [(40, 28), (16, 32), (64, 128), (128, 36), (120, 128)])

@@ -5,8 +5,8 @@
         # decode only, plus every decode-kernel variant (KDA_CUDA_DEC_CFG x KDA_CUDA_DEC_STAGE, and the general
         # kernel with KDA_CUDA_DECODE=0) on fp32 / bf16 pools in both layouts, CUDA graphs only
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 --rep 50
-        # decode only, plus the session-7 variants (stage 3 pipelined loop, items per warp, memory hints; SWEEP7
-        # below) and elementwise copies of the state's size under graphs (same-size ceilings)
+        # decode only, plus the memory-hint variants (SWEEP7 below) and elementwise copies of the state's size under
+        # graphs (same-size ceilings)
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -74,25 +74,24 @@ def timed(fn, graphs=True, eager=True, rep=None):
 
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
-DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_IPW", "KDA_CUDA_DEC_HINT")
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT")
 
 
 def _v7(name):
-    """'s3_i4_h2_c1' -> stage 3, KDA_CUDA_DEC_IPW=4, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default)."""
+    """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default)."""
     env = {}
     for part in name.split("_"):
-        key = {"s": "KDA_CUDA_DEC_STAGE", "i": "KDA_CUDA_DEC_IPW", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG"}
+        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG"}
         env[key[part[0]]] = part[1:]
     return name, env
 
 
-# session 7: stage 1 (the default) with memory hints; stage 3 (pipelined loop) with auto / fixed items per warp,
-# hints (h1 evict-first loads, h2 streaming stores, h4 grid-stride order, h8 L2::256B prefetch, h16 inputs
-# prefetched into L1) and other configurations; B=256 gets all, B=64 and B=1 the first SWEEP7_SMALL
-SWEEP7 = [_v7(n) for n in ("s1", "s3", "s3_h2", "s3_h4", "s3_h16", "s3_h6", "s1_h2", "s1_h1", "s3_h1", "s3_h3",
-                           "s3_h8", "s3_h18", "s3_h20", "s3_h22", "s3_i2", "s3_i4", "s3_i8", "s3_c0", "s3_c1", "s3_c2",
-                           "s3_c2_h4")]
-SWEEP7_SMALL = 6
+# session 7: the default configuration with each memory hint of KDA_CUDA_DEC_HINT (h0 none, h1 evict-first loads,
+# h2 streaming stores, h8 L2::256B prefetch; unset: the default, streaming stores for bf16/fp16 states); B=256
+# gets all, B=64 and B=1 the first SWEEP7_SMALL. (The session-7 run, cuda_decode_session7.json, swept a pipelined
+# multi-item stage 3 too, s3_* rows: slower everywhere, removed.)
+SWEEP7 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_h1", "s1_h3", "s1_h8", "s1_h11", "s2_h2")]
+SWEEP7_SMALL = 4
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -170,8 +169,11 @@ def main():
 
             with torch.inference_mode():
                 if have_fla:
+                    # (keywords: fla 0.6.0's fused_recurrent_gated_delta_rule takes (q, k, v, g, gk, gv, beta, ...);
+                    # beta passed 5th was read as the per-key gate gk, out of bounds: the illegal address of the
+                    # session-7 run)
                     f = fused_recurrent_kda if kda else fused_recurrent_gated_delta_rule
-                    e, gr = timed(lambda: f(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    e, gr = timed(lambda: f(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True))
                     row("fla_0.6.0", e, gr, fp32_bytes)
                 core = getattr(ops, f"{fam}_recurrent_fwd")
                 e, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None))
@@ -271,6 +273,7 @@ def main():
     table(out)
     try:
         plot(out, args.prefix)
+        plot_sweep(out, args.prefix)
     except Exception as e:  # noqa: BLE001
         print("plot failed:", repr(e)[:200])
 
@@ -324,5 +327,45 @@ def plot(out, prefix="cuda_bench"):
     fig.savefig(OUT / ("cuda_decode_bandwidth.png" if prefix == "cuda_bench" else f"{prefix}.png"), dpi=110)
 
 
+def plot_sweep(out, prefix):
+    """B=256 panel per family: the sweep rows' graph time relative to the first variant (the default), per pool,
+    with the same-size elementwise-copy ceilings as lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = out["results"]
+    fams = [f for f in ("kda", "gdn") if any(r["name"] == f"{f}_decode_sweep" and r["B"] == 256 for r in res)]
+    if not fams:
+        return
+    fig, axes = plt.subplots(len(fams), 1, figsize=(14, 4.5 * len(fams)), squeeze=False)
+    for ax, fam in zip(axes[:, 0], fams):
+        rows = [r for r in res if r["name"] == f"{fam}_decode_sweep" and r["B"] == 256]
+        impls = list(dict.fromkeys(r["impl"].split(":")[0] for r in rows))
+        variants = list(dict.fromkeys(r["impl"].split(":")[1] for r in rows))
+        t = {tuple(r["impl"].split(":")): r["graph_ms"] for r in rows}
+        w = 0.8 / len(impls)
+        for i, im in enumerate(impls):
+            base = t.get((im, variants[0]))
+            xs = [j + i * w for j, v in enumerate(variants) if (im, v) in t]
+            ax.bar(xs, [t[(im, v)] / base for v in variants if (im, v) in t], width=w, label=im)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(variants))], variants, rotation=45, fontsize=8)
+        ax.set_ylabel(f"graph time / variant {variants[0]}")
+        ax.set_ylim(0.8, 2.0)
+        ax.set_title(f"{fam.upper()} decode B=256 H16 HV32 K=V=128, CUDA graphs, {out['meta']['gpu']}: variants")
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(OUT / f"{prefix}_sweep.png", dpi=100)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # PNGs again from a JSON (a run cut short)
+        p = Path(sys.argv[2])
+        d = json.loads(p.read_text())
+        OUT = p.parent
+        table(d)
+        plot(d, p.stem)
+        plot_sweep(d, p.stem)
+    else:
+        main()

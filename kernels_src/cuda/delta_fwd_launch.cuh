@@ -26,25 +26,9 @@ void launch_dec_one(FwdParams p, cudaStream_t st) {
   p.slices = (p.V + CW - 1) / CW;
   const int64_t items = static_cast<int64_t>(p.N) * p.HV * p.slices;
   if (items == 0) return;
-  const int64_t groups = (items + G::WI - 1) / G::WI;  // warp groups' worth of items
-  auto kernel = delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE>;
-  int64_t blocks;
-  if constexpr (STAGE == 3) {
-    // p.dec_ipw items per warp group (0: as few blocks as fit on the GPU at once, each with the same count)
-    if (p.dec_ipw <= 0) {
-      static const int per_sm = [&] {
-        int nb = 0;
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kernel, 32 * G::NW, 0));
-        return nb > 0 ? nb : 1;
-      }();
-      const int64_t slots = static_cast<int64_t>(per_sm) * num_sms();
-      p.dec_ipw = static_cast<int>((groups + slots - 1) / slots);
-    }
-    blocks = (groups + p.dec_ipw - 1) / p.dec_ipw;
-  } else {
-    blocks = (groups + (STAGE == 2 ? 1 : 0)) / (STAGE == 2 ? 2 : 1);
-  }
-  kernel<<<static_cast<unsigned>(blocks), 32 * G::NW, 0, st>>>(p);
+  constexpr int per_block = G::WI * (STAGE == 2 ? 2 : 1);
+  const int64_t blocks = (items + per_block - 1) / per_block;
+  delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE><<<static_cast<unsigned>(blocks), 32 * G::NW, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -61,23 +45,19 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st);
 #ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
 template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st) {
-  switch (cfg * 4 + stage) {
+  switch (cfg * 3 + stage) {
     case 0: return launch_dec_one<PC, VF, S, 0, 128, 0>(p, st);
     case 1: return launch_dec_one<PC, VF, S, 0, 128, 1>(p, st);
     case 2: return launch_dec_one<PC, VF, S, 0, 128, 2>(p, st);
-    case 3: return launch_dec_one<PC, VF, S, 0, 128, 3>(p, st);
-    case 4: return launch_dec_one<PC, VF, S, 1, 128, 0>(p, st);
-    case 5: return launch_dec_one<PC, VF, S, 1, 128, 1>(p, st);
-    case 6: return launch_dec_one<PC, VF, S, 1, 128, 2>(p, st);
-    case 7: return launch_dec_one<PC, VF, S, 1, 128, 3>(p, st);
-    case 8: return launch_dec_one<PC, VF, S, 2, 128, 0>(p, st);
-    case 9: return launch_dec_one<PC, VF, S, 2, 128, 1>(p, st);
-    case 10: return launch_dec_one<PC, VF, S, 2, 128, 2>(p, st);
-    case 11: return launch_dec_one<PC, VF, S, 2, 128, 3>(p, st);
-    case 12: return launch_dec_one<PC, VF, S, 3, 128, 0>(p, st);
-    case 13: return launch_dec_one<PC, VF, S, 3, 128, 1>(p, st);
-    case 14: return launch_dec_one<PC, VF, S, 3, 128, 2>(p, st);
-    default: return launch_dec_one<PC, VF, S, 3, 128, 3>(p, st);
+    case 3: return launch_dec_one<PC, VF, S, 1, 128, 0>(p, st);
+    case 4: return launch_dec_one<PC, VF, S, 1, 128, 1>(p, st);
+    case 5: return launch_dec_one<PC, VF, S, 1, 128, 2>(p, st);
+    case 6: return launch_dec_one<PC, VF, S, 2, 128, 0>(p, st);
+    case 7: return launch_dec_one<PC, VF, S, 2, 128, 1>(p, st);
+    case 8: return launch_dec_one<PC, VF, S, 2, 128, 2>(p, st);
+    case 9: return launch_dec_one<PC, VF, S, 3, 128, 0>(p, st);
+    case 10: return launch_dec_one<PC, VF, S, 3, 128, 1>(p, st);
+    default: return launch_dec_one<PC, VF, S, 3, 128, 2>(p, st);
   }
 }
 #endif  // KDA_DEFINE_LAUNCH_DEC_FIXED
@@ -108,7 +88,6 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   const DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
   d.dec_flags = c.flags;
-  d.dec_ipw = c.ipw;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
     launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
   } else {

@@ -43,16 +43,13 @@ struct FwdParams {
                                   // (decode kernel: 16-byte accesses; the launcher sets it)
   bool tvec;                      // decode kernel: q, k, g rows allow aligned 16-byte loads (K % 8 == 0)
   bool vvec;                      // decode kernel: v rows allow aligned 16-byte loads (V % 8 == 0)
-  int dec_ipw;                    // decode kernel, STAGE 3: items per warp group (the launcher sets it)
-  int dec_flags;                  // decode kernel: memory hints kDec* below (KDA_CUDA_DEC_HINT; the launcher sets it)
+  int dec_flags;                  // decode kernel: memory hints kDec* below (the launcher sets it)
 };
 
-// decode kernel memory hints (FwdParams::dec_flags)
-constexpr int kDecEvictFirstLoad = 1;  // state copies (cp.async) with an L2 evict-first cache policy
+// decode kernel memory hints (FwdParams::dec_flags, KDA_CUDA_DEC_HINT)
+constexpr int kDecEvictFirstLoad = 1;  // state copies (cp.async, STAGE 1/2) with an L2 evict-first cache policy
 constexpr int kDecStreamStore = 2;     // state stores st.global.cs (streaming, evict first)
-constexpr int kDecGridStride = 4;      // STAGE 3: item it of block b is it * gridDim + b, else b * ipw + it
-constexpr int kDecPrefetch256 = 8;     // state copies with the L2::256B prefetch-size hint
-constexpr int kDecPrefetchIn = 16;     // STAGE 3: item it + 1's q, k, g, v, beta prefetched into L1 during item it
+constexpr int kDecPrefetch256 = 8;     // state copies (STAGE 1/2) with the L2::256B prefetch-size qualifier
 
 template <bool VF, int CW, int KMAX>
 struct FwdGeo {
@@ -485,17 +482,13 @@ __device__ __forceinline__ void dec_tile_io(float (&s)[DecGeo<VF, S, CW, WK, KMA
 
 // STAGE: 0 = state tile in registers; 1 = state tile copied into shared memory with cp.async (no registers held
 // while its bytes are in flight) and streamed from there; 2 = as 1 with two items per warp group, both items'
-// copies issued up front (twice the bytes in flight per warp); 3 = a pipelined loop over p.dec_ipw items per warp
-// group (a grid of about as many blocks as fit on the GPU at once when the launcher picks ipw): item it + 1's copies
-// are in flight (and its pool row looked up) while item it is computed, in two shared-memory buffers per warp.
+// copies issued up front (twice the bytes in flight per warp).
 template <bool VF, typename S, int CW, int WK, int STAGE>
 struct DecBounds {
   using G = DecGeo<VF, S, CW, WK, 128>;
   static constexpr int kThreads = 32 * G::NW;
-  // (STAGE 2 / 3 with 4 warps: 32 KB of shared memory per block allow 6 blocks per SM, so 72 / 80 registers cost
-  // no occupancy)
-  static constexpr int kRegCap =
-      STAGE == 3 ? 80 : STAGE == 2 ? 72 : STAGE ? 64 : (G::TR * G::TC <= 16 ? 64 : (G::TR * G::TC <= 32 ? 80 : 128));
+  // (STAGE 2 with 4 warps: shared memory allows 7 blocks per SM, so 72 registers cost no occupancy)
+  static constexpr int kRegCap = STAGE == 2 ? 72 : STAGE ? 64 : (G::TR * G::TC <= 16 ? 64 : (G::TR * G::TC <= 32 ? 80 : 128));
   static constexpr int kMinBlocks = 65536 / (kThreads * kRegCap);
 };
 
@@ -503,15 +496,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
 }
-// cp_async16 with the memory hints of FwdParams::dec_flags (kDecEvictFirstLoad: `pol` is an L2 evict-first policy
-// from dec_policy(); kDecPrefetch256: the L2::256B prefetch-size qualifier)
-__device__ __forceinline__ uint64_t dec_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, int flags, uint64_t pol) {
+// cp_async16 with the memory hints of FwdParams::dec_flags (kDecEvictFirstLoad: an L2 evict-first cache policy,
+// made here rather than held in registers across the kernel; kDecPrefetch256: the L2::256B prefetch-size qualifier)
+__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, int flags) {
   const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  uint64_t pol = 0;
+  if (flags & kDecEvictFirstLoad) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   if (flags & kDecPrefetch256) {
     if (flags & kDecEvictFirstLoad)
       asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem),
@@ -539,14 +529,12 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   constexpr int KMAX = 128;
   using G = DecGeo<VF, S, CW, WK, KMAX>;
   constexpr int TR = G::TR, TC = G::TC, E = G::E, WI = G::WI, NW = G::NW;
-  constexpr int IPW = STAGE == 2 ? 2 : 1;  // items per warp group (STAGE 3: p.dec_ipw)
-  constexpr int NBUF = STAGE >= 2 ? 2 : 1;  // shared-memory buffers per warp
+  constexpr int IPW = STAGE == 2 ? 2 : 1;  // items per warp group
   constexpr int NCH = VF ? TC : TR;        // 16-byte state chunks per lane: rows (K-first) or columns (V-first)
-  __shared__ float red_p[NBUF][WI][WK][CW];  // per item parity: a warp may write item it + 1's partials while
-                                            // another still reads item it's (the second barrier is arrive-only for
-                                            // warps > 0); it + 2's only after all passed it + 1's first barrier
+  __shared__ float red_p[IPW][WI][WK][CW];  // per item: a warp may write item 1's partials while another still
+                                           // reads item 0's (the second barrier is arrive-only for warps > 0)
   __shared__ float red_o[WI][WK][CW];
-  __shared__ uint4 stage[STAGE ? NW : 1][NBUF][STAGE ? NCH : 1][32];  // [chunk][lane]: conflict-free accesses
+  __shared__ uint4 stage[STAGE ? NW : 1][IPW][STAGE ? NCH : 1][32];  // [chunk][lane]: conflict-free accesses
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wi = warp / WK, wk = warp % WK;
@@ -559,22 +547,17 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   const bool out_lane = wk == 0 && kg == 0;  // stores o for this lane's columns
   const int64_t head_elems = static_cast<int64_t>(K) * V;
   const int64_t row_elems = head_elems * HV;
+  const int flags = p.dec_flags;
+  const bool cs = (flags & kDecStreamStore) != 0;
 
   // item it of this warp group: (sequence n, value head hv, column slice sl); its state rows
   struct Item {
     int64_t item, in_row, out_row;
     int n, hv, col0;
   };
-  const int nit = STAGE == 3 ? p.dec_ipw : IPW;  // items per warp group
-  const int flags = p.dec_flags;
-  const bool cs = (flags & kDecStreamStore) != 0;
-  const uint64_t pol = (STAGE != 0 && (flags & kDecEvictFirstLoad)) ? dec_policy() : 0;
   auto get_item = [&](int it) {
     Item m;
-    if (STAGE == 3 && (flags & kDecGridStride))
-      m.item = (static_cast<int64_t>(it) * gridDim.x + blockIdx.x) * WI + wi;
-    else
-      m.item = (static_cast<int64_t>(blockIdx.x) * nit + it) * WI + wi;
+    m.item = (static_cast<int64_t>(blockIdx.x) * IPW + it) * WI + wi;
     const int64_t itc = m.item < total ? m.item : 0;
     const int sl = static_cast<int>(itc % p.slices);
     const int64_t nh = itc / p.slices;
@@ -602,19 +585,23 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     return VF ? ((col0 + c) < V ? min(E, K - row0) : 0) : ((row0 + c) < K ? min(E, V - col0) : 0);
   };
 
-  // ---- shared-memory variants: an item's state copies into buffer `buf` of this warp, one commit group per item
-  // (an empty group for items out of range, so that the wait counts below hold)
-  auto issue = [&](const Item& m, int buf) {
-    if (m.item < total) {
-      const bool live = m.in_row >= 0 && p.s_in != nullptr;
+  Item items[IPW];
+#pragma unroll
+  for (int it = 0; it < IPW; ++it) items[it] = get_item(it);
+  // ---- shared-memory variants: every item's state copies are issued first
+  if constexpr (STAGE != 0) {
+#pragma unroll
+    for (int it = 0; it < IPW; ++it) {
+      const Item& m = items[it];
+      const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
       const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
-        void* sp = &stage[warp][buf][c][lane];
+        void* sp = &stage[warp][it][c][lane];
         const int nn = live ? chunk_n(m.col0, c) : 0;
         if (vec && nn >= E) {
           if (flags & (kDecEvictFirstLoad | kDecPrefetch256))
-            cp_async16_hint(sp, src + chunk_off(m.col0, c), flags, pol);
+            cp_async16_hint(sp, src + chunk_off(m.col0, c), flags);
           else
             cp_async16(sp, src + chunk_off(m.col0, c));
         } else {
@@ -624,43 +611,13 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
             StateIO<S>::store1(d8 + e, e < nn ? StateIO<S>::load1(src + chunk_off(m.col0, c) + e) : 0.f);
         }
       }
+      cp_async_commit();
     }
-    cp_async_commit();
-  };
-  Item cur = get_item(0);  // STAGE 3: the next item whose copies were issued
-  if constexpr (STAGE == 1 || STAGE == 3) {
-    issue(cur, 0);
-  } else if constexpr (STAGE == 2) {
-    issue(cur, 0);
-    issue(get_item(1), 1);  // every item's state copies are issued first
   }
-  int done = 0;  // items computed so far by this warp group (parity of red_p)
 
 #pragma unroll 1  // one item at a time (the other item's bytes stay in flight)
-  for (int it = 0; it < nit; ++it) {
-    const int buf = STAGE == 3 ? (it & 1) : it;
-    const Item m = (STAGE == 3 || it == 0) ? cur : get_item(it);
-    if constexpr (STAGE == 3) {
-      // item it + 1 into the other buffer, which this lane finished reading in the previous iteration (every lane
-      // reads back only the chunks it copied itself, so no barrier is needed)
-      if (it + 1 < nit) {
-        cur = get_item(it + 1);
-        issue(cur, buf ^ 1);
-        if ((flags & kDecPrefetchIn) && cur.item < total) {  // this lane's input rows of item it + 1 into L1
-          const int64_t t1 = cur.n;
-          const int h1 = cur.hv / (HV / H), isz = dt == kF32 ? 4 : 2;
-          const char* pq = static_cast<const char*>(p.q) + ((t1 * H + h1) * K + row0) * isz;
-          const char* pk = static_cast<const char*>(p.k) + ((t1 * H + h1) * K + row0) * isz;
-          const char* pv = static_cast<const char*>(p.v) + ((t1 * HV + cur.hv) * V + cur.col0) * isz;
-          const float* pg = PC ? p.g + (t1 * HV + cur.hv) * K + row0 : p.g + t1 * HV + cur.hv;
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(pq));
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(pk));
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(pv));
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(pg));
-          asm volatile("prefetch.global.L1 [%0];" ::"l"(p.beta + t1 * HV + cur.hv));
-        }
-      }
-    }
+  for (int it = 0; it < IPW; ++it) {
+    const Item m = IPW == 1 ? items[0] : get_item(it);
     if (m.item >= total) break;  // uniform over the item's WK warps; later items are out of range too
     const int col0 = m.col0, hv = m.hv, h = hv / (HV / H);
     const int64_t tok = m.n;  // one token per sequence
@@ -694,10 +651,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     }
     dec_load_in<TC>(p.v, (tok * HV + hv) * V + col0, dt, ncol, vvec, vv, 0.f);
     const float beta = p.beta[tok * HV + hv];
-    if constexpr (STAGE == 3) {  // each lane reads back only the chunks it copied itself
-      if (it + 1 < nit) cp_async_wait<1>();
-      else cp_async_wait<0>();
-    } else if constexpr (STAGE != 0) {
+    if constexpr (STAGE != 0) {  // each lane reads back only the chunks it copied itself
       if (IPW - 1 - it == 1) cp_async_wait<1>();
       else cp_async_wait<0>();
     }
@@ -713,7 +667,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     // chunk c as fp32 values
     auto get_chunk = [&](int c, float (&x)[E]) {
       if constexpr (STAGE != 0) {
-        dec_load_state<S, E>(reinterpret_cast<const S*>(&stage[warp][buf][c][lane]), x, E, true);
+        dec_load_state<S, E>(reinterpret_cast<const S*>(&stage[warp][it][c][lane]), x, E, true);
       } else if constexpr (VF) {
 #pragma unroll
         for (int e = 0; e < E; ++e) x[e] = s[e][c];
@@ -743,7 +697,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
 #pragma unroll
     for (int j = 0; j < TC; ++j) pr[j] = G::ksum(pr[j]);
     if constexpr (WK > 1) {
-      float(*rp)[CW] = red_p[NBUF == 2 ? (done & 1) : 0][wi];
+      float(*rp)[CW] = red_p[it][wi];
       if (kg == 0) {
 #pragma unroll
         for (int j = 0; j < TC; ++j) rp[wk][vg * TC + j] = pr[j];
@@ -812,7 +766,6 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       for (int j = 0; j < TC; ++j)
         if (j < ncol) store_in(p.o, ob + j, dt, p.scale * ov[j]);
     }
-    ++done;
   }
 }
 
