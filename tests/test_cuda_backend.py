@@ -309,9 +309,12 @@ def test_public_api_autograd_and_decode(family):
 # ------------------------------------------------------------------------------------------------ decode kernel
 # delta_decode_kernel (one token per sequence): every configuration (KDA_CUDA_DEC_CFG 0-3), the register and the
 # shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
-# items per warp), and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape
-# kernels, other shapes the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says).
-DEC_VARIANTS = [f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
+# items per warp), with the default memory hints, and some with KDA_CUDA_DEC_HINT set (_h0: none; _h11: every hint:
+# evict-first loads, streaming stores, L2::256B prefetch), and the general kernel (KDA_CUDA_DECODE=0) for
+# comparison; K = V = 128 takes the fixed-shape kernels, other shapes the generic ones (registers only, whatever
+# KDA_CUDA_DEC_STAGE says).
+DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
+                + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage2_h11", "cfg3_stage0_h11"])
 
 
 def _dec_env(monkeypatch, variant):
@@ -319,8 +322,13 @@ def _dec_env(monkeypatch, variant):
         monkeypatch.setenv("KDA_CUDA_DECODE", "0")
         return
     monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    monkeypatch.setenv("KDA_CUDA_DEC_CFG", variant[3])
-    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", variant[-1])
+    cfg, stage, *hint = variant.split("_")
+    monkeypatch.setenv("KDA_CUDA_DEC_CFG", cfg[3:])
+    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", stage[5:])
+    if hint:
+        monkeypatch.setenv("KDA_CUDA_DEC_HINT", hint[0][1:])
+    else:
+        monkeypatch.delenv("KDA_CUDA_DEC_HINT", raising=False)
 
 
 def _decode_case(family, pool_dtype, v_first, B, K, V, seed, idx_kind="flat"):
@@ -361,7 +369,7 @@ def test_decode_serve(family, pool_dtype, v_first, B, variant, monkeypatch):
     assert torch.equal(after[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("variant", [v for v in DEC_VARIANTS if v.endswith("0")] + ["general"])
+@pytest.mark.parametrize("variant", [v for v in DEC_VARIANTS if "stage0" in v] + ["general"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("K,V", [(40, 28), (16, 32), (64, 128), (128, 36), (120, 128)])

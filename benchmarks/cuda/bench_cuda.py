@@ -4,6 +4,9 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session2 --decode-only --sweep
         # decode only, plus every decode-kernel variant (KDA_CUDA_DEC_CFG x KDA_CUDA_DEC_STAGE, and the general
         # kernel with KDA_CUDA_DECODE=0) on fp32 / bf16 pools in both layouts, CUDA graphs only
+    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 --rep 50
+        # decode only, plus the memory-hint variants (SWEEP7 below) and elementwise copies of the state's size under
+        # graphs (same-size ceilings)
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 DEV = "cuda"
 RES = []
+REP = [200]
 
 
 META = {}
@@ -54,7 +58,8 @@ def mk(B, T, H, HV, K, V, kda, req=False):
     return [x.requires_grad_(req) for x in (q, k, v, g.float(), beta)]
 
 
-def timed(fn, graphs=True, eager=True, rep=200):
+def timed(fn, graphs=True, eager=True, rep=None):
+    rep = rep or REP[0]
     fn()
     torch.cuda.synchronize()
     eager = do_bench(fn, warmup=25, rep=rep, return_mode="median") if eager else None
@@ -69,7 +74,24 @@ def timed(fn, graphs=True, eager=True, rep=200):
 
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
-DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE")
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT")
+
+
+def _v7(name):
+    """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default)."""
+    env = {}
+    for part in name.split("_"):
+        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG"}
+        env[key[part[0]]] = part[1:]
+    return name, env
+
+
+# session 7: the default configuration with each memory hint of KDA_CUDA_DEC_HINT (h0 none, h1 evict-first loads,
+# h2 streaming stores, h8 L2::256B prefetch; unset: the default, streaming stores for bf16/fp16 states); B=256
+# gets all, B=64 and B=1 the first SWEEP7_SMALL. (The session-7 run, cuda_decode_session7.json, swept a pipelined
+# multi-item stage 3 too, s3_* rows: slower everywhere, removed.)
+SWEEP7 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_h1", "s1_h3", "s1_h8", "s1_h11", "s2_h2")]
+SWEEP7_SMALL = 4
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -84,8 +106,13 @@ def main():
     ap.add_argument("--prefix", default="cuda_bench")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep7", action="store_true")
+    ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
+    ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
+    ap.add_argument("--batches", default="1,64,256")
     args = ap.parse_args()
     PREFIX[0] = args.prefix
+    REP[0] = args.rep
     torch.manual_seed(0)
     OUT.mkdir(parents=True, exist_ok=True)
     meta = META
@@ -111,10 +138,21 @@ def main():
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
     rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
     del x, y
+    if args.sweep7:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
+        for dt, nm in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            x = torch.randn(256 * 32 * 128 * 128, device=DEV).to(dt)
+            y = torch.empty_like(x)
+            nb = 2 * x.numel() * x.element_size()
+            _, gr = timed(lambda: torch.mul(x, 1.0, out=y), eager=False, rep=args.sweep_rep * 3)
+            rec(name=f"ew_copy_state_{nm}_graph", B=256, graph_ms=round(gr, 5), graph_TBps=round(nb / gr / 1e9, 3))
+            _, gr = timed(lambda: x.mul_(1.0), eager=False, rep=args.sweep_rep * 3)
+            rec(name=f"ew_inplace_state_{nm}_graph", B=256, graph_ms=round(gr, 5),
+                graph_TBps=round(nb / gr / 1e9, 3))
+            del x, y
 
     H, HV, K, V = 16, 32, 128, 128
     scale = K ** -0.5
-    for B in (1, 64, 256):
+    for B in [int(b) for b in args.batches.split(",")]:
         for fam in ("kda", "gdn"):
             kda = fam == "kda"
             q, k, v, g, beta = mk(B, 1, H, HV, K, V, kda)
@@ -131,15 +169,19 @@ def main():
 
             with torch.inference_mode():
                 if have_fla:
+                    # (keywords: fla 0.6.0's fused_recurrent_gated_delta_rule takes (q, k, v, g, gk, gv, beta, ...);
+                    # beta passed 5th was read as the per-key gate gk, out of bounds: the illegal address of the
+                    # session-7 run)
                     f = fused_recurrent_kda if kda else fused_recurrent_gated_delta_rule
-                    e, gr = timed(lambda: f(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    e, gr = timed(lambda: f(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True))
                     row("fla_0.6.0", e, gr, fp32_bytes)
                 core = getattr(ops, f"{fam}_recurrent_fwd")
                 e, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None))
                 row("ours_core_fwd", e, gr, fp32_bytes)
-                api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
-                e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
-                row("ours_public_api", e, gr, fp32_bytes)
+                if not args.sweep7:
+                    api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
+                    e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    row("ours_public_api", e, gr, fp32_bytes)
                 serve = getattr(ops, f"{fam}_recurrent_serve")
                 idx = torch.arange(B, device=DEV)
                 pool32 = h0.clone()
@@ -169,6 +211,31 @@ def main():
                         rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
                             graph_TBps=round(fp32_bytes / gr / 1e9, 3))
                     set_env({})
+                if args.sweep7:  # session-7 variants, CUDA graphs only
+                    pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
+                             ("bf16_pool_vfirst", poolvf16, True, bf16_bytes),
+                             ("fp32_pool_vfirst", poolvf, True, fp32_bytes))
+                    variants = SWEEP7 if B >= 256 else SWEEP7[:SWEEP7_SMALL]
+                    for vname, env in variants:
+                        set_env(env)
+                        _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False,
+                                      rep=args.sweep_rep)
+                        rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
+                            graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                        for pname, pool, vf, nbytes in pools:
+                            _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool, idx, None, None, vf),
+                                          eager=False, rep=args.sweep_rep)
+                            rec(name=f"{fam}_decode_sweep", impl=f"serve_{pname}:{vname}", B=B, graph_ms=round(gr, 5),
+                                graph_TBps=round(nbytes / gr / 1e9, 3))
+                    set_env({})
+                    # the defaults again (drift check)
+                    _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False, rep=args.sweep_rep)
+                    rec(name=f"{fam}_decode_sweep", impl="core_fwd:default_again", B=B, graph_ms=round(gr, 5),
+                        graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                    _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool16, idx, None, None, False),
+                                  eager=False, rep=args.sweep_rep)
+                    rec(name=f"{fam}_decode_sweep", impl="serve_bf16_pool:default_again", B=B, graph_ms=round(gr, 5),
+                        graph_TBps=round(bf16_bytes / gr / 1e9, 3))
             del h0, pool32, pool16, poolvf, poolvf16
             torch.cuda.empty_cache()
 
@@ -195,11 +262,18 @@ def main():
                         graph_ms=None if gr is None else round(gr, 4))
             torch.cuda.empty_cache()
 
+    if args.decode_only:  # the ceiling again (drift over the run)
+        x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device=DEV)
+        y = torch.empty_like(x)
+        ms = do_bench(lambda: y.copy_(x), return_mode="median")
+        rec(name="d2d_copy_4GB_rw", when="end", ms=round(ms, 4), TBps=round(2 * x.numel() * 2 / ms / 1e9, 3))
+        del x, y
     out = {"meta": meta, "results": RES}
     (OUT / f"{args.prefix}.json").write_text(json.dumps(out, indent=1))
     table(out)
     try:
         plot(out, args.prefix)
+        plot_sweep(out, args.prefix)
     except Exception as e:  # noqa: BLE001
         print("plot failed:", repr(e)[:200])
 
@@ -253,5 +327,45 @@ def plot(out, prefix="cuda_bench"):
     fig.savefig(OUT / ("cuda_decode_bandwidth.png" if prefix == "cuda_bench" else f"{prefix}.png"), dpi=110)
 
 
+def plot_sweep(out, prefix):
+    """B=256 panel per family: the sweep rows' graph time relative to the first variant (the default), per pool,
+    with the same-size elementwise-copy ceilings as lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = out["results"]
+    fams = [f for f in ("kda", "gdn") if any(r["name"] == f"{f}_decode_sweep" and r["B"] == 256 for r in res)]
+    if not fams:
+        return
+    fig, axes = plt.subplots(len(fams), 1, figsize=(14, 4.5 * len(fams)), squeeze=False)
+    for ax, fam in zip(axes[:, 0], fams):
+        rows = [r for r in res if r["name"] == f"{fam}_decode_sweep" and r["B"] == 256]
+        impls = list(dict.fromkeys(r["impl"].split(":")[0] for r in rows))
+        variants = list(dict.fromkeys(r["impl"].split(":")[1] for r in rows))
+        t = {tuple(r["impl"].split(":")): r["graph_ms"] for r in rows}
+        w = 0.8 / len(impls)
+        for i, im in enumerate(impls):
+            base = t.get((im, variants[0]))
+            xs = [j + i * w for j, v in enumerate(variants) if (im, v) in t]
+            ax.bar(xs, [t[(im, v)] / base for v in variants if (im, v) in t], width=w, label=im)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(variants))], variants, rotation=45, fontsize=8)
+        ax.set_ylabel(f"graph time / variant {variants[0]}")
+        ax.set_ylim(0.8, 2.0)
+        ax.set_title(f"{fam.upper()} decode B=256 H16 HV32 K=V=128, CUDA graphs, {out['meta']['gpu']}: variants")
+        ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(OUT / f"{prefix}_sweep.png", dpi=100)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # PNGs again from a JSON (a run cut short)
+        p = Path(sys.argv[2])
+        d = json.loads(p.read_text())
+        OUT = p.parent
+        table(d)
+        plot(d, p.stem)
+        plot_sweep(d, p.stem)
+    else:
+        main()

@@ -87,6 +87,7 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.tvec = p.K % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.g);
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   const DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
+  d.dec_flags = c.flags;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
     launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
   } else {

@@ -152,9 +152,14 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // (benchmarks/results/cuda_decode_session2.json, H=16 HV=32 K=V=128, B in {1, 64, 256}, CUDA graphs): shared-memory
 // staging (1) everywhere; K-first fp32 (32 columns, 4 warps), K-first bf16/fp16 (32 columns, 2 warps), V-first
 // fp32 (8 columns, 1 warp), V-first bf16/fp16 (16 columns, 1 warp; 2 warps when few (sequence, head) pairs).
+// KDA_CUDA_DEC_HINT overrides the memory hints (FwdParams::dec_flags), a sum of kDecEvictFirstLoad (1),
+// kDecStreamStore (2), kDecPrefetch256 (8); default: streaming stores for 2-byte states (bf16/fp16 pools, KDA at
+// B=256 on the H200: 2.7 % faster K-first, 1.0 % V-first; benchmarks/results/cuda_decode_session7.json, rows
+// s1_h*), none for fp32 states (2 % slower there).
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
+  int flags;  // FwdParams::dec_flags
 };
 
 inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
@@ -169,6 +174,9 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   }
   const int stage = env_int("KDA_CUDA_DEC_STAGE", -1);
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
+  const int hint = env_int("KDA_CUDA_DEC_HINT", -1);
+  c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256)
+                      : (esize == 2 ? kDecStreamStore : 0);
   return c;
 }
 

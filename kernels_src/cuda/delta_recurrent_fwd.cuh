@@ -43,7 +43,13 @@ struct FwdParams {
                                   // (decode kernel: 16-byte accesses; the launcher sets it)
   bool tvec;                      // decode kernel: q, k, g rows allow aligned 16-byte loads (K % 8 == 0)
   bool vvec;                      // decode kernel: v rows allow aligned 16-byte loads (V % 8 == 0)
+  int dec_flags;                  // decode kernel: memory hints kDec* below (the launcher sets it)
 };
+
+// decode kernel memory hints (FwdParams::dec_flags, KDA_CUDA_DEC_HINT)
+constexpr int kDecEvictFirstLoad = 1;  // state copies (cp.async, STAGE 1/2) with an L2 evict-first cache policy
+constexpr int kDecStreamStore = 2;     // state stores st.global.cs (streaming, evict first)
+constexpr int kDecPrefetch256 = 8;     // state copies (STAGE 1/2) with the L2::256B prefetch-size qualifier
 
 template <bool VF, int CW, int KMAX>
 struct FwdGeo {
@@ -352,10 +358,12 @@ __device__ __forceinline__ void dec_load_state(const S* p, float (&x)[E], int n,
 }
 
 template <typename S, int E>
-__device__ __forceinline__ void dec_store_state(S* p, const float (&x)[E], int n, bool vec) {
+__device__ __forceinline__ void dec_store_state(S* p, const float (&x)[E], int n, bool vec, bool cs = false) {
   if (vec && n >= E) {
     if constexpr (sizeof(S) == 4) {
-      *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+      const float4 f = make_float4(x[0], x[1], x[2], x[3]);
+      if (cs) __stcs(reinterpret_cast<float4*>(p), f);  // streaming store (evict first)
+      else *reinterpret_cast<float4*>(p) = f;
     } else {
       uint32_t w[4];
 #pragma unroll
@@ -368,7 +376,9 @@ __device__ __forceinline__ void dec_store_state(S* p, const float (&x)[E], int n
           w[e] = *reinterpret_cast<uint32_t*>(&h);
         }
       }
-      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+      const uint4 u = make_uint4(w[0], w[1], w[2], w[3]);
+      if (cs) __stcs(reinterpret_cast<uint4*>(p), u);
+      else *reinterpret_cast<uint4*>(p) = u;
     }
   } else {
 #pragma unroll
@@ -486,6 +496,25 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
 }
+// cp_async16 with the memory hints of FwdParams::dec_flags (kDecEvictFirstLoad: an L2 evict-first cache policy,
+// made here rather than held in registers across the kernel; kDecPrefetch256: the L2::256B prefetch-size qualifier)
+__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, int flags) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  uint64_t pol = 0;
+  if (flags & kDecEvictFirstLoad) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  if (flags & kDecPrefetch256) {
+    if (flags & kDecEvictFirstLoad)
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem),
+                   "l"(pol) : "memory");
+    else
+      asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+  } else if (flags & kDecEvictFirstLoad) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "l"(pol)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
@@ -518,6 +547,8 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   const bool out_lane = wk == 0 && kg == 0;  // stores o for this lane's columns
   const int64_t head_elems = static_cast<int64_t>(K) * V;
   const int64_t row_elems = head_elems * HV;
+  const int flags = p.dec_flags;
+  const bool cs = (flags & kDecStreamStore) != 0;
 
   // item it of this warp group: (sequence n, value head hv, column slice sl); its state rows
   struct Item {
@@ -569,7 +600,10 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
         void* sp = &stage[warp][it][c][lane];
         const int nn = live ? chunk_n(m.col0, c) : 0;
         if (vec && nn >= E) {
-          cp_async16(sp, src + chunk_off(m.col0, c));
+          if (flags & (kDecEvictFirstLoad | kDecPrefetch256))
+            cp_async16_hint(sp, src + chunk_off(m.col0, c), flags);
+          else
+            cp_async16(sp, src + chunk_off(m.col0, c));
         } else {
           S* d8 = reinterpret_cast<S*>(sp);
 #pragma unroll
@@ -701,7 +735,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
           ov[j] = fmaf(x[j], qv[c], ov[j]);
         }
       }
-      if (dst != nullptr) dec_store_state<S, E>(dst + chunk_off(col0, c), x, chunk_n(col0, c), vec);
+      if (dst != nullptr) dec_store_state<S, E>(dst + chunk_off(col0, c), x, chunk_n(col0, c), vec, cs);
     }
 #pragma unroll
     for (int j = 0; j < TC; ++j) ov[j] = G::ksum(ov[j]);
