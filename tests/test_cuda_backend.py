@@ -302,7 +302,7 @@ def test_public_api_autograd_and_decode(family):
     qd, kd, vd, gd, bd = make_inputs(family, B=3, T=1, dtype=torch.bfloat16, seed=22)
     pool = torch.randn(4, 4, 128, 128, device=DEV).to(torch.bfloat16)
     with torch.no_grad():
-        o, _ = rec(qd, kd, vd, gd, bd, initial_state=pool, ssm_state_indices=torch.tensor([2, 0, -1], device=DEV))
+        o, _ = rec(qd, kd, vd, gd, beta=bd, initial_state=pool, ssm_state_indices=torch.tensor([2, 0, -1], device=DEV))
     assert torch.all(o[2] == 0) and torch.isfinite(o.float()).all()
 
 

@@ -167,7 +167,7 @@ def impls(family, ours, uni):
 
             def run():
                 with torch.no_grad():
-                    fn(q, k, v, g, beta, initial_state=h0, ssm_state_indices=idx, inplace_final_state=True)
+                    fn(q, k, v, g, beta=beta, initial_state=h0, ssm_state_indices=idx, inplace_final_state=True)
             return run
         return make
 

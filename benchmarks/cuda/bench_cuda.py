@@ -180,7 +180,7 @@ def main():
                 row("ours_core_fwd", e, gr, fp32_bytes)
                 if not args.sweep7:
                     api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
-                    e, gr = timed(lambda: api(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                    e, gr = timed(lambda: api(q, k, v, g, beta=beta, initial_state=h0, output_final_state=True))
                     row("ours_public_api", e, gr, fp32_bytes)
                 serve = getattr(ops, f"{fam}_recurrent_serve")
                 idx = torch.arange(B, device=DEV)

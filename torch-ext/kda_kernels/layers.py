@@ -58,7 +58,7 @@ def _cu_from_seq_idx(seq_idx):
 
 
 def _delta(fn, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
-    return fn(query, key, value, g, beta, initial_state=initial_state, output_final_state=bool(output_final_state),
+    return fn(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=bool(output_final_state),
               use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=_packing(query.shape[0], kwargs))
 
 
