@@ -4,24 +4,25 @@
 // order and bf16/fp32 choice), so the scans are unchanged.
 //
 // Same phases and thread mappings as v1 (S0, S1, four passes of 32 channels with build / P2 / P1, results,
-// S2..S5; see kda_chunk_prep.cuh), with every decay factor a PRODUCT of a_i = e^{g_i} instead of the exponential
-// of a (double) sum of the gates:
-//   S1  a = e^g in place of the gates (the kernel's only exponentials: one per token and channel; v1 took one per
-//       pair and channel in P1 and several per token in the build) and the sub-chunk products
-//       Tot_b = prod_{i in b} a_i (float).
+// S2..S5; see kda_chunk_prep.cuh). Within a 16-token sub-chunk every decay factor is a PRODUCT of a_i = e^{g_i};
+// factors across sub-chunks are exponentials of float sums of whole sub-chunks' gates (no double arithmetic):
+//   S1  a = e^g in place of the gates (one exponential per token and channel; v1 took one per pair and channel
+//       in P1 and several per token in the build) and S_b = the sum of sub-chunk b's gates (float tree sum).
 //   build  F_t = prod_{16a <= i <= t} a_i = e^{G_t - G_r} and R_t = prod_{t < i <= 16a + 15} a_i = e^{G_s - G_t}
-//       (running products within the sub-chunk, 64 rows each), Pre_a = prod_{b < a} Tot_b, Suf_a =
-//       prod_{b > a} Tot_b, the cross factors e^{G_r - G_s} = Tot_1, Tot_2, Tot_1 Tot_2, decay = Pre_3 F_63.
+//       (running products within the sub-chunk, 64 rows each), Pre_a = e^{sum_{b < a} S_b}, Suf_a =
+//       e^{sum_{b > a} S_b}, the cross factors e^{G_r - G_s} = e^{S_1}, e^{S_2}, e^{S_1 + S_2}, and the decay
+//       e^{S_0 + S_1 + S_2 + S_3}.
 //   P2  unchanged (tf32 m16n8k8 over the factor tables).
 //   W   q~ = scale q F Pre and k~^T = beta k R Suf written by a separate pass-local loop in fragment order, one
 //       8-byte (bf16) / 16-byte (fp32) store per lane (v1: one 2-byte store per element).
 //   P1  in-sub-chunk pairs with a running product f <- f a_j walking j down from t (v1: e^{running float sum}),
 //       branch-free: rows outside the triangle keep f = 1 and their sums are dropped by the result masks.
 //   S2  X = k e^{G} = k Pre_a prod_{16a <= i <= t} a_i in place of a.
-// Exactness: every factor is a product of a_i <= 1 (for log decays g <= 0), so every factor is <= 1 and gates of
-// -1e4 give a_i = 0 and factors 0 (never inf/NaN); no gate bound is assumed. A product of n factors has a
-// relative error of about n (ulp + ex2's error): at most 64 factors, far below tf32 / bf16 rounding. No double
-// arithmetic (v1: double sums and 64-bit conversions, 16/clk/SM, beside 70-170 thousand exponentials per block).
+// Exactness: every factor is a product of a_i <= 1 or the exponential of a direct sum of gates (<= 0 for log
+// decays <= 0), so every factor is <= 1 and gates of -1e4 give 0, never inf/NaN; no gate bound is assumed. The
+// products have at most 16 factors (relative error ~16 ulp at worst); the chunk decay, which compounds over the
+// chunks of a sequence, is one exponential of the chunk's gate sum (a product of 64 a_i would be ~1e-6 off for
+// gates near 0, where the state's memory spans hundreds of chunks).
 // Shared memory ~111 KB at K = 128 (two blocks per SM), 256 threads.
 #pragma once
 
@@ -43,10 +44,10 @@ struct KdaPrep2Smem {
   static constexpr size_t fb = gx + 4 * kChunk * LDG;  // factor tables F, R: 2 x [64][LDF], later S3/S4 scratch
   static constexpr size_t fb_bytes = cmax(2 * kChunk * LDF * 4, 4 * 16 * kPrepLDY * 4);
   static constexpr size_t ab = fb + fb_bytes;                // A_kk Diag(beta) [64][kPrepLDA]
-  static constexpr size_t tot = ab + 4 * kChunk * kPrepLDA;  // float [4][KP]: Tot_b
+  static constexpr size_t tot = ab + 4 * kChunk * kPrepLDA;  // float [4][KP]: S_b, the gate sum of sub-chunk b
   static constexpr size_t pre = tot + 4 * 4 * KP;            // float [4][KP]: Pre_a
   static constexpr size_t suf = pre + 4 * 4 * KP;            // float [4][KP]: Suf_a
-  static constexpr size_t ex = suf + 4 * 4 * KP;             // float [3][KP]: Tot_1, Tot_2, Tot_1 Tot_2
+  static constexpr size_t ex = suf + 4 * 4 * KP;             // float [3][KP]: e^{S_1}, e^{S_2}, e^{S_1 + S_2}
   static constexpr size_t bs = ex + 4 * 3 * KP;              // beta [64]
   static constexpr size_t bytes = bs + 4 * kChunk;
   static_assert(r2 % 16 == 0 && gx % 16 == 0 && fb % 16 == 0 && ab % 16 == 0 && tot % 16 == 0 && pre % 16 == 0 &&
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   float* Rf = Fs + kChunk * LDF;                        // [64][LDF]: R_t = e^{G_s - G_t}
   float* Scr = reinterpret_cast<float*>(smem + SM::fb);
   float* Ab = reinterpret_cast<float*>(smem + SM::ab);
-  float* Tot = reinterpret_cast<float*>(smem + SM::tot);
+  float* Tot = reinterpret_cast<float*>(smem + SM::tot);  // S_b
   float* Pre = reinterpret_cast<float*>(smem + SM::pre);
   float* Suf = reinterpret_cast<float*>(smem + SM::suf);
   float* Ex = reinterpret_cast<float*>(smem + SM::ex);
@@ -104,21 +105,21 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   gdn_cp_async_wait_all();
   __syncthreads();
 
-  // ---- S1: a = e^g in place (padding: g = 0, a = 1), Tot_b = product over sub-chunk b
+  // ---- S1: a = e^g in place (padding: g = 0, a = 1); Tot_b = the sum of the gates of sub-chunk b (float, a
+  //      pairwise tree: a direct sum, <= 0 for log decays <= 0)
   for (int i = tid; i < 4 * KP; i += kGdnThreads) {
     const int c = i % KP, b = i / KP;
     float* gcol = Gx + b * kSub * LDG + c;
-    float x[kSub];
+    float x[kSub], y[kSub];
 #pragma unroll
-    for (int u = 0; u < kSub; ++u) x[u] = __expf(gcol[u * LDG]);
+    for (int u = 0; u < kSub; ++u) x[u] = y[u] = gcol[u * LDG];
 #pragma unroll
-    for (int u = 0; u < kSub; ++u) gcol[u * LDG] = x[u];
-    // pairwise tree product (depth 4)
+    for (int u = 0; u < kSub; ++u) gcol[u * LDG] = __expf(x[u]);
 #pragma unroll
     for (int w = 1; w < kSub; w <<= 1)
 #pragma unroll
-      for (int u = 0; u < kSub; u += 2 * w) x[u] *= x[u + w];
-    Tot[b * KP + c] = x[0];
+      for (int u = 0; u < kSub; u += 2 * w) y[u] += y[u + w];
+    Tot[b * KP + c] = y[0];
   }
   __syncthreads();
 
@@ -144,15 +145,15 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
     // ---- build: the factor tables of this pass's 32 channels
     {
       const int c = cp0 + bcl;
-      float tb[4];
+      float tb[4];  // gate sums of the four sub-chunks
 #pragma unroll
       for (int b = 0; b < 4; ++b) tb[b] = Tot[b * KP + c];
       if (bdir == 0) {
-        float pre = 1.f;
+        float spre = 0.f;
 #pragma unroll
         for (int b = 0; b < 3; ++b)
-          if (b < ba) pre *= tb[b];
-        Pre[ba * KP + c] = pre;
+          if (b < ba) spre += tb[b];
+        Pre[ba * KP + c] = __expf(spre);
         float P = 1.f;
 #pragma unroll
         for (int i = 0; i < kSub; ++i) {
@@ -160,13 +161,13 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           P *= Gx[t * LDG + c];
           Fs[t * LDF + bcl] = P;
         }
-        if (ba == 3) ws[WL.decay + c] = pre * P;
+        if (ba == 3) ws[WL.decay + c] = __expf(spre + tb[3]);  // one exponential of the chunk's gate sum
       } else {
-        float suf = 1.f;
+        float ssuf = 0.f;
 #pragma unroll
         for (int b = 1; b < 4; ++b)
-          if (b > ba) suf *= tb[b];
-        Suf[ba * KP + c] = suf;
+          if (b > ba) ssuf += tb[b];
+        Suf[ba * KP + c] = __expf(ssuf);
         float S = 1.f;
 #pragma unroll
         for (int i = kSub - 1; i >= 0; --i) {
@@ -175,9 +176,9 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           S *= Gx[t * LDG + c];
         }
         if (ba == 0) {
-          Ex[c] = tb[1];
-          Ex[KP + c] = tb[2];
-          Ex[2 * KP + c] = tb[1] * tb[2];
+          Ex[c] = __expf(tb[1]);
+          Ex[KP + c] = __expf(tb[2]);
+          Ex[2 * KP + c] = __expf(tb[1] + tb[2]);
         }
       }
     }
