@@ -214,17 +214,19 @@ def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
     assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
 
 
+@pytest.mark.parametrize("version", ["2", "3"], ids=["v2", "v2_split8"])
 @pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T65", "T200", "T2048", "correlated_keys", "gate_div_0.1", "gate_div_10",
                                   "extreme_gates", "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv",
                                   "cp_width_v256", "varlen", "varlen_extreme"])
-def test_kda_prep2_vs_v1_and_reference(case, dtype, ws, monkeypatch):
-    """The KDA prep kernel v2 (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=2: gate factors as products of e^{g_i})
-    against v1 (=1, exponentials of gate sums) on the same inputs and initial state (varlen cases include empty
-    sequences; extreme gates -20 and -1e4): both finite, o and the final state close to each other (the tf32
-    operands are formed from differently rounded, equally exact factors) and to the float64 reference."""
-    (o1, s1), (o2, s2) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("1", "2"), monkeypatch)
+def test_kda_prep2_vs_v1_and_reference(case, dtype, ws, version, monkeypatch):
+    """The KDA prep kernel v2 (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=2: gate factors within a sub-chunk as
+    products of e^{g_i}; =3 the same with the diagonal blocks split in 8x8 quarters) against v1 (=1, exponentials
+    of gate sums) on the same inputs and initial state (varlen cases include empty sequences; extreme gates -20
+    and -1e4): both finite, o and the final state close to each other (the tf32 operands are formed from
+    differently rounded, equally exact factors) and to the float64 reference."""
+    (o1, s1), (o2, s2) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("1", version), monkeypatch)
     assert torch.isfinite(o2.float()).all() and torch.isfinite(s2).all()
     assert_close("o (prep v2 vs v1)", o1.float().cpu(), o2.float().cpu(), 3e-3)
     assert_close("final_state (prep v2 vs v1)", s1.cpu(), s2.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)

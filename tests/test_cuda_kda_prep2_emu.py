@@ -19,7 +19,7 @@ from test_cuda_kda_prep_emu import cross_tile
 C, SUB, PASS = 64, 16, 32
 
 
-def emu_kda_prep2(q, k, g, beta, scale, KP, L):
+def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
     K = q.shape[1]
     NP = KP // PASS
     Qs, Ks, Gx = np.zeros((C, KP)), np.zeros((C, KP)), np.zeros((C, KP))
@@ -41,11 +41,20 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
         Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
         Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
     Pre, Suf, Ex = np.full((4, KP), np.nan), np.full((4, KP), np.nan), np.full((3, KP), np.nan)
-    q1 = np.zeros((256, 8)); k1 = np.zeros((256, 8)); q2 = np.zeros((256, 16)); k2 = np.zeros((256, 16))  # noqa: E702
+    NB = 8 if split8 else SUB  # P1's diagonal block
+    NH = NB // 2
+    q1 = np.zeros((256, NH)); k1 = np.zeros((256, NH)); q2 = np.zeros((256, NB)); k2 = np.zeros((256, NB))  # noqa: E702
     acc2 = np.zeros((8, 3, 32, 4))
+    accq = np.zeros((4, 32, 4))  # split8, warps 0-3
+
+    def p1_map(tid):
+        cg, a1 = tid & 7, tid >> 6
+        rp = ((tid & 31) >> 3) if split8 else ((tid >> 3) & 7)
+        j0 = a1 * SUB + (((tid >> 5) & 1) * NB if split8 else 0)
+        return cg, rp, j0, j0 + rp, j0 + NB - 1 - rp
     for ps in range(NP):
         cp0 = ps * PASS
-        Fs, Rf = np.full((C, PASS), np.nan), np.full((C, PASS), np.nan)
+        Fs, Rf, Hs = np.full((C, PASS), np.nan), np.full((C, PASS), np.nan), np.full((C, PASS), np.nan)
         for tid in range(256):  # build
             bcl, ba, bdir = tid & 31, (tid >> 5) & 3, tid >> 7
             c = cp0 + bcl
@@ -56,11 +65,14 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
                     if b < ba:
                         spre += tb[b]
                 Pre[ba, c] = np.exp(spre)
-                P = 1.0
+                P, P8 = 1.0, 1.0
                 for i in range(SUB):
                     t = ba * SUB + i
                     P *= Gx[t, c]
                     Fs[t, bcl] = P
+                    if split8 and i >= 8:
+                        P8 *= Gx[t, c]
+                        Hs[t, bcl] = P8
                 if ba == 3:
                     decay[c] = np.exp(spre + tb[3])
             else:
@@ -69,11 +81,14 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
                     if b > ba:
                         ssuf += tb[b]
                 Suf[ba, c] = np.exp(ssuf)
-                S = 1.0
+                S, S8 = 1.0, 1.0
                 for i in range(SUB - 1, -1, -1):
                     t = ba * SUB + i
                     Rf[t, bcl] = S
                     S *= Gx[t, c]
+                    if split8 and i < 8:
+                        Hs[t, bcl] = S8
+                        S8 *= Gx[t, c]
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
         for warp in range(8):  # P2
@@ -103,6 +118,22 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
                         gq, t4 = lane >> 2, lane & 3
                         acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
                                                 D[gq + 8, 2 * t4 + 1])
+        for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
+            for s in range(PASS // 8):
+                At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    r, jb = warp * SUB + 8 + gq, warp * SUB + gq
+                    cl = s * 8 + t4
+                    c = cp0 + cl
+                    At[gq, t4], At[gq + 8, t4] = Qs[r, c] * Hs[r, cl], Ks[r, c] * Hs[r, cl]
+                    At[gq, t4 + 4], At[gq + 8, t4 + 4] = Qs[r, c + 4] * Hs[r, cl + 4], Ks[r, c + 4] * Hs[r, cl + 4]
+                    Bt[t4, gq], Bt[t4 + 4, gq] = Ks[jb, c] * Hs[jb, cl], Ks[jb, c + 4] * Hs[jb, cl + 4]
+                assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
+                D = At @ Bt
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
         for tid in range(256):  # W
             for r in range(4):
                 it = tid + r * 256
@@ -131,22 +162,20 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
                     for e in range(4):
                         put(ws_kg, i * 4 + e, x[e])
         for tid in range(256):  # P1 (branch-free: f stays 1 outside the triangle)
-            cg, rp, a1 = tid & 7, (tid >> 3) & 7, tid >> 6
-            j0 = a1 * SUB
-            t1, t2 = j0 + rp, j0 + SUB - 1 - rp
+            cg, rp, j0, t1, t2 = p1_map(tid)
             for ci in range(PASS // 16):
                 c = cp0 + 2 * (ci * 8 + cg)
                 cc = [c, c + 1]
                 f1, f2 = np.ones(2), np.ones(2)
-                for jl in range(SUB - 1, -1, -1):
+                for jl in range(NB - 1, -1, -1):
                     j = j0 + jl
                     aj, kj = Gx[j, cc], Ks[j, cc]
                     x = kj * f2
                     q2[tid, jl] += Qs[t2, cc] @ x
                     k2[tid, jl] += Ks[t2, cc] @ x
-                    if jl <= SUB - 1 - rp:
+                    if jl <= NB - 1 - rp:
                         f2 = f2 * aj
-                    if jl < 8:
+                    if jl < NH:
                         x = kj * f1
                         q1[tid, jl] += Qs[t1, cc] @ x
                         k1[tid, jl] += Ks[t1, cc] @ x
@@ -160,22 +189,33 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
         return y
     q1, k1, q2, k2 = sum8(q1), sum8(k1), sum8(q2), sum8(k2)
     for tid in range(256):
-        cg, rp, a1 = tid & 7, (tid >> 3) & 7, tid >> 6
-        j0 = a1 * SUB
-        t1, t2 = j0 + rp, j0 + SUB - 1 - rp
-        for jl in range(SUB):
+        cg, rp, j0, t1, t2 = p1_map(tid)
+        for jl in range(NB):
             if (jl & 7) != cg:
                 continue
             j = j0 + jl
             bj = Bs[j]
-            vq1 = q1[tid, jl & 7] if (jl < 8 and jl <= rp) else 0.0
-            vk1 = k1[tid, jl & 7] if (jl < 8 and jl < rp) else 0.0
-            vq2 = q2[tid, jl] if jl <= SUB - 1 - rp else 0.0
-            vk2 = k2[tid, jl] if jl < SUB - 1 - rp else 0.0
+            vq1 = q1[tid, jl % NH] if (jl < NH and jl <= rp) else 0.0
+            vk1 = k1[tid, jl % NH] if (jl < NH and jl < rp) else 0.0
+            vq2 = q2[tid, jl] if jl <= NB - 1 - rp else 0.0
+            vk2 = k2[tid, jl] if jl < NB - 1 - rp else 0.0
             put(ws_aqk, frag_index(t1, j, C), scale * vq1 * bj)
             put(ws_aqk, frag_index(t2, j, C), scale * vq2 * bj)
             assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
             Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
+    if split8:
+        for tid in range(256):  # the upper-right quarter of each diagonal block of A~: zero
+            a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
+            put(ws_aqk, frag_index(a * SUB + r, a * SUB + 8 + cc, C), 0.0)
+        for warp in range(4):  # the lower-left quarter
+            for lane in range(32):
+                gq, t4 = lane >> 2, lane & 3
+                t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
+                b0, b1 = Bs[j], Bs[j + 1]
+                put(ws_aqk, frag_index(t, j, C), scale * (accq[warp, lane, 0] * b0))
+                put(ws_aqk, frag_index(t, j + 1, C), scale * (accq[warp, lane, 1] * b1))
+                assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
+                Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * b0, accq[warp, lane, 3] * b1
     for warp in range(8):
         for u in range(3):
             a, mat, nt = cross_tile(warp + 8 * u)
@@ -221,9 +261,10 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L):
     return dict(qg=ws_qg, kg=ws_kg, aqk=ws_aqk, decay=decay, Ab=Ab, X=X)
 
 
+@pytest.mark.parametrize("split8", [False, True], ids=["v2", "split8"])
 @pytest.mark.parametrize("K,L,gates", [(128, 64, "normal"), (128, 64, "extreme"), (64, 37, "extreme"),
                                        (40, 64, "div10"), (128, 1, "normal"), (96, 50, "div0.1")])
-def test_kda_prep2_against_float64(K, L, gates):
+def test_kda_prep2_against_float64(K, L, gates, split8):
     rng = np.random.default_rng(K + L + len(gates))
     KP = 64 if K <= 64 else 128
     q = rng.standard_normal((C, K)) / np.sqrt(K)
@@ -240,7 +281,7 @@ def test_kda_prep2_against_float64(K, L, gates):
     beta = rng.uniform(size=C)
     scale = K ** -0.5
     with np.errstate(under="ignore"):
-        ws = emu_kda_prep2(q, k, g, beta, scale, KP, L)
+        ws = emu_kda_prep2(q, k, g, beta, scale, KP, L, split8)
     for name in ("qg", "kg", "aqk", "decay"):
         assert not np.isnan(ws[name]).any(), f"{name}: an element was never written"
         assert np.isfinite(ws[name]).all(), f"{name}: inf"
@@ -261,6 +302,8 @@ def test_kda_prep2_against_float64(K, L, gates):
         for a in range(4):
             low[a * SUB:(a + 1) * SUB, :(a + 1) * SUB] = True
         np.testing.assert_allclose(unfrag(ws["aqk"], C, C), Aqk, atol=1e-12, rtol=1e-9)
+        if split8:  # the upper-right quarter of a diagonal block of A_kk is never written (nor read: the inverse
+            low &= np.tri(C, C, -1, dtype=bool)  # reads the strictly lower triangle)
         np.testing.assert_allclose(ws["Ab"][low], Akk[low], atol=1e-12, rtol=1e-9)
         np.testing.assert_allclose(unfrag(ws["qg"], C, KP), scale * qz * np.exp(G), atol=1e-12, rtol=1e-9)
         np.testing.assert_allclose(unfrag(ws["kg"], KP, C), (kz * bz[:, None] * suffix).T, atol=1e-12, rtol=1e-9)

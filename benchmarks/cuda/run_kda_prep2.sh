@@ -2,9 +2,12 @@
 # Session 7, one device call for the KDA prep kernel v2 (kernels_src/cuda/kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=2,
 # the new default): build (sm_90), a smoke test of v2 against v1 first, tests/test_cuda_chunk_fwd.py + the forward
 # stage tests, per-kernel times of the KDA forward with every knob value (2, 1, 0) in one process, agreement of v2
-# with v1 at the benchmark shape (plain and adversarial gates), then Nsight Compute of v2 (full set), the KDA forward at B1 T8192 under CUDA graphs for v1 and v2 (no fla)
-# and Nsight Compute of v1 (a few sections), the last three only while the call's time allows.
-# Everything under $OUT, packed into $OUT/results.tgz (build.log beside it); each step timed out.
+# with v1 at the benchmark shape (plain and adversarial gates), then Nsight Compute of v2 (full set), the KDA
+# forward at B1 T8192 under CUDA graphs for v1 and v2 (no fla) and Nsight Compute of v1 (a few sections), the last
+# three only while the call's time allows. Since the session-7 call (commit d90e9dd) it also covers
+# KDA_CUDA_KDA_PREP=3 (v2 with the 8x8 split of the diagonal blocks, added afterwards, not yet run on a GPU) in the
+# smoke test, the kernel times, the agreement check and the graph benchmark. Everything under $OUT, packed into
+# $OUT/results.tgz (build.log beside it); each step timed out.
 source "$(dirname "$0")/device_env.sh"
 T_START=$SECONDS
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1;
@@ -28,13 +31,15 @@ g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device="cuda"))
 g[..., ::7] = -1e4
 beta = torch.rand(B, T, HV, device="cuda")
 res = {}
-for m in ("1", "2"):
+for m in ("1", "2", "3"):
     with knobs_set({"KDA_CUDA_KDA_PREP": m}):
         res[m] = ops.kda_chunk_fwd(q, k, v, g, beta, K ** -0.5, None, None)
     torch.cuda.synchronize()
-for n, a, b in zip(("o", "ht"), res["2"], res["1"]):
-    a, b = a.double(), b.double()
-    print(n, "finite", bool(torch.isfinite(a).all()), "rel RMS v2 vs v1 %.3e" % float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()))
+for m in ("2", "3"):
+    for n, a, b in zip(("o", "ht"), res[m], res["1"]):
+        a, b = a.double(), b.double()
+        print(f"PREP={m}", n, "finite", bool(torch.isfinite(a).all()),
+              "rel RMS vs v1 %.3e" % float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()))
 PY
 
 echo "== tests"
@@ -44,7 +49,7 @@ timeout ${TEST_TIMEOUT:-75} python3 -m pytest -q $XD -p no:cacheprovider tests/t
 tail -4 "$OUT/tests.log"
 
 echo "== kernel times"
-timeout ${PROF_TIMEOUT:-40} python3 benchmarks/cuda/profile_chunk.py --families kda --phases fwd --kda-prep 1,0,2 \
+timeout ${PROF_TIMEOUT:-40} python3 benchmarks/cuda/profile_chunk.py --families kda --phases fwd --kda-prep 1,0,2,3 \
   > "$OUT/kernel_times.json" 2> "$OUT/profile.err"
 tail -3 "$OUT/profile.err"
 python3 - "$OUT/kernel_times.json" <<'PY' 2>&1 | tee "$OUT/summary.txt"
@@ -68,11 +73,11 @@ for gates in ("bench", "extreme"):
         r = torch.rand_like(g)
         g = torch.where(r < 0.3, torch.full_like(g, -20.0), torch.where(r > 0.97, torch.full_like(g, -1e4), g))
     res = {}
-    for m in ("2", "1", "0"):
+    for m in ("2", "3", "1", "0"):
         with knobs_set({"KDA_CUDA_KDA_PREP": m}):
             res[m] = [x.double() for x in ops.kda_chunk_fwd(q, k, v, g, beta, 128 ** -0.5, None, None)]
         torch.cuda.synchronize()
-    for m, ref in (("2", "1"), ("2", "0"), ("1", "0")):
+    for m, ref in (("2", "1"), ("3", "1"), ("3", "2"), ("2", "0"), ("1", "0")):
         d = {n: float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
              for n, a, b in zip(("o", "ht"), res[m], res[ref])}
         print(gates, f"PREP={m} vs {ref} rel RMS:", {n: f"{x:.2e}" for n, x in d.items()},
@@ -89,7 +94,7 @@ if command -v ncu >/dev/null && [ $(( SECONDS - T_START )) -lt ${NCU_BEFORE_S:-2
 fi
 if [ $(( SECONDS - T_START )) -lt ${BENCH_BEFORE_S:-225} ]; then
   echo "== KDA forward under CUDA graphs (no fla)"
-  BENCH_FAMILIES=kda BENCH_KDA_PREP=1,2 BENCH_NO_FLA=1 BENCH_SHAPES=B1_T8192 BENCH_BUDGET_S=30 timeout $(( ${CALL_S:-272} - (SECONDS - T_START) )) \
+  BENCH_FAMILIES=kda BENCH_KDA_PREP=1,2,3 BENCH_NO_FLA=1 BENCH_SHAPES=B1_T8192 BENCH_BUDGET_S=30 timeout $(( ${CALL_S:-272} - (SECONDS - T_START) )) \
   python3 benchmarks/cuda/bench_chunk_fwd.py > "$OUT/bench.log" 2>&1
   grep -E "^B|^varlen|kda" "$OUT/bench.log" | tail -12
 fi

@@ -24,6 +24,14 @@
 // chunks of a sequence, is one exponential of the chunk's gate sum (a product of 64 a_i would be ~1e-6 off for
 // gates near 0, where the state's memory spans hundreds of chunks).
 // Shared memory ~111 KB at K = 128 (two blocks per SM), 256 threads.
+//
+// SPLIT8 (KDA_CUDA_KDA_PREP=3, opt-in): each 16x16 diagonal block in 8x8 quarters. The lower-left quarter (t in
+// 16a+8..15, j in 16a..16a+7) on tensor cores through the token m = 16a + 7, (x_t e^{G_t - G_m}) . (k_j
+// e^{G_m - G_j}), both factors running products within the half (a third 64-row table, in the A_kk region during
+// the passes), one 16x8 tile per sub-chunk with the q rows on top and the k rows below (warps 0-3); P1 on CUDA
+// cores only for the two 8x8 triangles (thread = sub-chunk, half, row pair {t, 7 - t}, channel group): 12 pair
+// slots per channel pair instead of 24 and 24 accumulators instead of 48; the upper-right quarter of A~ is
+// written as zeros.
 #pragma once
 
 #include "kda_chunk_prep.cuh"
@@ -55,7 +63,8 @@ struct KdaPrep2Smem {
                 "16-byte aligned sections");
 };
 
-template <int KP, typename T16>
+// SPLIT8 (KDA_CUDA_KDA_PREP=3): each 16x16 diagonal block in 8x8 quarters; see the end of the header comment.
+template <int KP, typename T16, bool SPLIT8>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -71,6 +80,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   float* Rf = Fs + kChunk * LDF;                        // [64][LDF]: R_t = e^{G_s - G_t}
   float* Scr = reinterpret_cast<float*>(smem + SM::fb);
   float* Ab = reinterpret_cast<float*>(smem + SM::ab);
+  float* Hs = Ab;  // SPLIT8, during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
+  static_assert(kChunk * LDF <= kChunk * kPrepLDA, "the half-block table fits in the A_kk region");
   float* Tot = reinterpret_cast<float*>(smem + SM::tot);  // S_b
   float* Pre = reinterpret_cast<float*>(smem + SM::pre);
   float* Suf = reinterpret_cast<float*>(smem + SM::suf);
@@ -123,16 +134,20 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   }
   __syncthreads();
 
-  // P1 mapping: sub-chunk a1, rows t1 = 16 a1 + rp (pairs j <= t1) and t2 = 16 a1 + 15 - rp (pairs j <= t2),
+  // P1 mapping: diagonal block of NB tokens from j0 (NB = 16: sub-chunk a1 = tid / 64; SPLIT8: NB = 8, the half
+  // (tid / 32) % 2 of sub-chunk a1), rows t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2),
   // channel pairs c = 2 (8 ci + cg) + {0, 1} of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
-  const int cg = lane & 7, rp = (tid >> 3) & 7, a1 = tid >> 6;
-  const int j0 = a1 * kSub, t1 = j0 + rp, t2 = j0 + kSub - 1 - rp;
-  float q1[8], k1[8], q2[kSub], k2[kSub];
+  constexpr int NB = SPLIT8 ? 8 : kSub, NH = NB / 2;
+  const int cg = lane & 7, a1 = tid >> 6;
+  const int rp = SPLIT8 ? (lane >> 3) : ((tid >> 3) & 7);
+  const int j0 = a1 * kSub + (SPLIT8 ? ((tid >> 5) & 1) * NB : 0), t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
+  float q1[NH], k1[NH], q2[NB], k2[NB];
 #pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
-    if (jl < 8) q1[jl] = k1[jl] = 0.f;
+  for (int jl = 0; jl < NB; ++jl) {
+    if (jl < NH) q1[jl % NH] = k1[jl % NH] = 0.f;
     q2[jl] = k2[jl] = 0.f;
   }
+  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
   float acc2[3][4];  // P2: tiles warp, warp + 8, warp + 16
 #pragma unroll
   for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
@@ -154,12 +169,17 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
         for (int b = 0; b < 3; ++b)
           if (b < ba) spre += tb[b];
         Pre[ba * KP + c] = __expf(spre);
-        float P = 1.f;
+        float P = 1.f, P8 = 1.f;
 #pragma unroll
         for (int i = 0; i < kSub; ++i) {
           const int t = ba * kSub + i;
-          P *= Gx[t * LDG + c];
+          const float at = Gx[t * LDG + c];
+          P *= at;
           Fs[t * LDF + bcl] = P;
+          if (SPLIT8 && i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
+            P8 *= at;
+            Hs[t * LDF + bcl] = P8;
+          }
         }
         if (ba == 3) ws[WL.decay + c] = __expf(spre + tb[3]);  // one exponential of the chunk's gate sum
       } else {
@@ -168,12 +188,17 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
         for (int b = 1; b < 4; ++b)
           if (b > ba) ssuf += tb[b];
         Suf[ba * KP + c] = __expf(ssuf);
-        float S = 1.f;
+        float S = 1.f, S8 = 1.f;
 #pragma unroll
         for (int i = kSub - 1; i >= 0; --i) {
           const int t = ba * kSub + i;
+          const float at = Gx[t * LDG + c];
           Rf[t * LDF + bcl] = S;
-          S *= Gx[t * LDG + c];
+          S *= at;
+          if (SPLIT8 && i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
+            Hs[t * LDF + bcl] = S8;
+            S8 *= at;
+          }
         }
         if (ba == 0) {
           Ex[c] = __expf(tb[1]);
@@ -207,6 +232,21 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           b1 *= E[c + 4];
         }
         mma8<false>(acc2[u], af, b0, b1);
+      }
+    }
+
+    // ---- SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores, through the token
+    //      m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times e^{G_t - G_m}; columns k_j e^{G_m - G_j}
+    //      (j = 16a + gq): one 16x8 tile carries both products, every factor <= 1
+    if (SPLIT8 && warp < 4) {
+      const int r = warp * kSub + 8 + gq, jb = warp * kSub + gq;
+#pragma unroll
+      for (int s = 0; s < kKdaPass / 8; ++s) {
+        const int cl = s * 8 + t4, c = cp0 + cl;
+        const float h0 = Hs[r * LDF + cl], h1 = Hs[r * LDF + cl + 4];
+        const float4 af = make_float4(f16(Qs[r * LDH + c]) * h0, f16(Ks[r * LDH + c]) * h0,
+                                      f16(Qs[r * LDH + c + 4]) * h1, f16(Ks[r * LDH + c + 4]) * h1);
+        mma8<false>(accq, af, f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl], f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4]);
       }
     }
 
@@ -247,22 +287,22 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
       const float2 qb = ld_pair16<T16>(Qs + t2 * LDH + c), kb = ld_pair16<T16>(Ks + t2 * LDH + c);
       float f1x = 1.f, f1y = 1.f, f2x = 1.f, f2y = 1.f;
 #pragma unroll
-      for (int jl = kSub - 1; jl >= 0; --jl) {
+      for (int jl = NB - 1; jl >= 0; --jl) {
         const int j = j0 + jl;
         const float2 aj = *reinterpret_cast<const float2*>(Gx + j * LDG + c);
         const float2 kj = ld_pair16<T16>(Ks + j * LDH + c);
-        {  // row t2: terms with jl > 15 - rp carry f = 1 and are dropped by the result mask
+        {  // row t2: terms with jl > NB - 1 - rp carry f = 1 and are dropped by the result mask
           const float x0 = kj.x * f2x, x1 = kj.y * f2y;
           q2[jl] = fmaf(qb.y, x1, fmaf(qb.x, x0, q2[jl]));
           k2[jl] = fmaf(kb.y, x1, fmaf(kb.x, x0, k2[jl]));
-          const bool on = jl <= kSub - 1 - rp;
+          const bool on = jl <= NB - 1 - rp;
           f2x = on ? f2x * aj.x : f2x;
           f2y = on ? f2y * aj.y : f2y;
         }
-        if (jl < 8) {  // row t1 (t1 <= 7): terms with jl > rp dropped likewise
+        if (jl < NH) {  // row t1 (t1 - j0 < NH): terms with jl > rp dropped likewise
           const float x0 = kj.x * f1x, x1 = kj.y * f1y;
-          q1[jl] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl]));
-          k1[jl] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl]));
+          q1[jl % NH] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl % NH]));
+          k1[jl % NH] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl % NH]));
           const bool on = jl <= rp;
           f1x = on ? f1x * aj.x : f1x;
           f1y = on ? f1y * aj.y : f1y;
@@ -275,25 +315,38 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   // ---- results: P1 (diagonal blocks, full 16x16 incl. the zeros above the diagonal), P2 (blocks below), zero
   //      upper tiles of A~. A_kk Diag(beta) to Ab (strictly lower).
 #pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
-    if (jl < 8) {
-      q1[jl] = warp_sum_below<8>(q1[jl]);
-      k1[jl] = warp_sum_below<8>(k1[jl]);
+  for (int jl = 0; jl < NB; ++jl) {
+    if (jl < NH) {
+      q1[jl % NH] = warp_sum_below<8>(q1[jl % NH]);
+      k1[jl % NH] = warp_sum_below<8>(k1[jl % NH]);
     }
     q2[jl] = warp_sum_below<8>(q2[jl]);
     k2[jl] = warp_sum_below<8>(k2[jl]);
   }
 #pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
+  for (int jl = 0; jl < NB; ++jl) {
     if ((jl & 7) != cg) continue;
     const int j = j0 + jl;
     const float bj = Bs[j];
-    const float vq1 = (jl < 8 && jl <= rp) ? q1[jl & 7] : 0.f, vk1 = (jl < 8 && jl < rp) ? k1[jl & 7] : 0.f;
-    const float vq2 = jl <= kSub - 1 - rp ? q2[jl] : 0.f, vk2 = jl < kSub - 1 - rp ? k2[jl] : 0.f;
+    const float vq1 = (jl < NH && jl <= rp) ? q1[jl % NH] : 0.f, vk1 = (jl < NH && jl < rp) ? k1[jl % NH] : 0.f;
+    const float vq2 = jl <= NB - 1 - rp ? q2[jl] : 0.f, vk2 = jl < NB - 1 - rp ? k2[jl] : 0.f;
     ws_put(ws + WL.aqk, frag_index<kChunk>(t1, j), half, p.scale * (vq1 * bj));
     ws_put(ws + WL.aqk, frag_index<kChunk>(t2, j), half, p.scale * (vq2 * bj));
     Ab[t1 * LDA + j] = vk1 * bj;
     Ab[t2 * LDA + j] = vk2 * bj;
+  }
+  if constexpr (SPLIT8) {
+    {  // the upper-right 8x8 quarter of each diagonal block of A~: zero (that of A_kk is never read)
+      const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
+      ws_put(ws + WL.aqk, frag_index<kChunk>(a * kSub + r, a * kSub + 8 + cc), half, 0.f);
+    }
+    if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
+      const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
+      const float b0 = Bs[j], b1 = Bs[j + 1];
+      ws_put(ws + WL.aqk, frag_index<kChunk>(t, j), half, p.scale * (accq[0] * b0));
+      ws_put(ws + WL.aqk, frag_index<kChunk>(t, j + 1), half, p.scale * (accq[1] * b1));
+      *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * b0, accq[3] * b1);
+    }
   }
 #pragma unroll
   for (int u = 0; u < 3; ++u) {
