@@ -5,8 +5,9 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
     BENCH_SHAPES=varlen BENCH_BUDGET_S=60 python3 benchmarks/cuda/bench_chunk_fwd.py   # some shapes, a time budget
     BENCH_FAMILIES=gdn BENCH_GDN_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # GDN only, the generic (0) and the GDN-specific (1) prep kernel in one process (KDA_CUDA_GDN_PREP), no fla
-    BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # KDA only, the generic (0) and the KDA-specific (1) prep kernel (KDA_CUDA_KDA_PREP), no fla
+    BENCH_FAMILIES=kda BENCH_KDA_PREP=0,1,2 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # KDA only, the generic (0), the KDA-specific v1 (1) and v2 (2, the default) prep kernels
+        # (KDA_CUDA_KDA_PREP), no fla
     BENCH_CHUNK_SCAN=1,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # the single scan kernel (1) and the bulk-prefetch scan (4) in one process (KDA_CUDA_CHUNK_SCAN; 0: auto)
 

@@ -81,6 +81,10 @@ def main():
     ap.add_argument("--bwd-ch", default="",
                     help="comma-separated KDA_CUDA_CHUNK_BWD_CH values (1 grad3_ch_kernel, 2 grad3_ch2, the default for "
                          "KDA, 3 its 128-register instance) to also time the backward with, each as bwd_chN")
+    ap.add_argument("--kda-prep", default="",
+                    help="comma-separated KDA_CUDA_KDA_PREP values (0 the generic prep, 1 kda_chunk_prep v1, 2 "
+                         "kda_chunk_prep2, the default for bf16/fp16 inputs) to also time the forward with, each as "
+                         "fwd_kda_prepN (KDA only)")
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -98,6 +102,8 @@ def main():
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
         extra = [(True, "fwd", f"fwd_scan{x}", {"KDA_CUDA_CHUNK_SCAN": x}) for x in args.scans.split(",") if x]
+        extra += [(family == "kda", "fwd", f"fwd_kda_prep{x}", {"KDA_CUDA_KDA_PREP": x})
+                  for x in args.kda_prep.split(",") if x]
         extra += [(True, "bwd", f"bwd_state_fwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_FWD": x})
                   for x in args.bwd_state_fwd.split(",") if x]
         extra += [(args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),

@@ -3,7 +3,8 @@
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
-// as does KDA (kda_chunk_prep.cuh; KDA_CUDA_KDA_PREP=0: the generic one). Both variables are read at every call.
+// as does KDA (KDA_CUDA_KDA_PREP: 2, the default, kda_chunk_prep2.cuh; 3 it with the 8x8 split of the diagonal
+// blocks; 1 the v1 kernel kda_chunk_prep.cuh; 0 the generic one). Both variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
@@ -15,6 +16,7 @@
 #include "delta_chunk_fwd.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "kda_chunk_prep.cuh"
+#include "kda_chunk_prep2.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -58,10 +60,30 @@ void launch_kda_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// KDA, bf16/fp16 inputs, v2: kda_chunk_prep2_kernel (the same workspace; gate factors as products of e^{g_i}
+// within a sub-chunk); SPLIT8 (version 3, opt-in): its 8x8 split of the diagonal blocks.
+template <int KP, typename T16, bool SPLIT8>
+void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = KdaPrep2Smem<KP>::bytes;
+  auto kern = kda_chunk_prep2_kernel<KP, T16, SPLIT8>;
+  allow_dynamic_smem(kern, smem);
+  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// version 2: kda_chunk_prep2_kernel, 3: it with SPLIT8, else (1) kda_chunk_prep_kernel.
 template <int KP>
-void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if (p.in_dtype == kBF16) launch_kda_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
-  else launch_kda_prep_t<KP, __half>(p, max_chunks, st);
+void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
+  if (version == 2) {
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
+  } else if (version == 3) {
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
+  } else {
+    if (p.in_dtype == kBF16) launch_kda_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
+    else launch_kda_prep_t<KP, __half>(p, max_chunks, st);
+  }
 }
 
 template <int KP, int BV, bool PRECISE>
@@ -105,7 +127,8 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
     if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
     else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    if (env_int("KDA_CUDA_KDA_PREP", 1) != 0) launch_kda_prep<KP>(p, max_chunks, st);
+    const int version = env_int("KDA_CUDA_KDA_PREP", 2);
+    if (version != 0) launch_kda_prep<KP>(p, max_chunks, st, version);
     else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
   } else {
     launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
@@ -232,7 +255,10 @@ inline const float* chunk_fwd_h0(const char* op, const std::optional<at::Tensor>
 template <bool PC>
 size_t chunk_fwd_prep_smem(int K, bool precise) {
   if (precise) return K <= 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes;
-  if constexpr (PC) return K <= 64 ? KdaPrepSmem<64>::bytes : KdaPrepSmem<128>::bytes;
+  if constexpr (PC) {  // the larger of the two KDA kernels (KDA_CUDA_KDA_PREP picks one at every call)
+    return K <= 64 ? cmax(KdaPrepSmem<64>::bytes, KdaPrep2Smem<64>::bytes)
+                   : cmax(KdaPrepSmem<128>::bytes, KdaPrep2Smem<128>::bytes);
+  }
   else return K <= 64 ? GdnPrepSmem<64>::bytes : GdnPrepSmem<128>::bytes;
 }
 
