@@ -4,6 +4,8 @@
 # (sm_90), the new tests first (smoke), per-kernel times of the KDA and GDN backward with WY=2, 1, 3 and the agreement
 # of every output at the benchmark shape (WY=2 and 3 against 1), then tests/test_cuda_chunk_bwd.py +
 # tests/test_cuda_stages.py with the time left. Everything under $OUT; each step timed out.
+# Run: copy the branch to .dev/grad3-wy2, run(command="cd .dev/grad3-wy2 && bash benchmarks/cuda/run_grad3_wy2.sh",
+# carry=[".dev/grad3-wy2", ".whl"], timeout_s=280); the full tests get what is left of BUDGET_S (272) seconds.
 source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -1; } > "$OUT/env.txt" 2>&1
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-140} build_cuda 16
