@@ -11,6 +11,7 @@
 #include "delta_chunk_bwd_prep.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
+#include "delta_chunk_bwd_grad3_wy2.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
 #include "delta_chunk_bwd_grad3_ch2.cuh"
@@ -276,7 +277,16 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
+    // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0
+    // with the v2 state buffers; KDA_CUDA_CHUNK_BWD_WY=1 runs grad3_wy (kept to compare), =3 grad3_wy2 with plain
+    // tf32 products for bf16 inputs (kept to measure)
+    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0 && p.wc != nullptr) {
+      auto kern = cb::grad3_wy2<PC>(p.in_dtype, wy != 3);
+      allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
+      kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
+    } else {
+      cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if constexpr (PC) {
       // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM) by
