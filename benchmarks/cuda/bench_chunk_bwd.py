@@ -12,6 +12,7 @@ Triton 3.6) are recorded as they are raised.
 
     BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GRAD=3" python3 benchmarks/cuda/bench_chunk_bwd.py
 adds rows "ours[KNOB=VAL,...]" (each ;-separated variant's knobs set while it is timed) beside the defaults.
+BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows.
 """
 import json
 import os
@@ -160,7 +161,7 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                 rec(name=f"{fam}_chunk_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V, eager_ms=round(e, 4),
                     graph_ms=None if gr is None else round(gr, 4), graph_error=why,
                     peak_mb_above_inputs=round(mem, 1))
-                if (B, T) == (1, 8192):
+                if (B, T) == (1, 8192) and not os.environ.get("BENCH_SKIP_RECURRENT"):
                     rop = getattr(kk.ops, f"{fam}_recurrent_bwd")
                     e, _, _ = timed(lambda: rop(q, k, v, g, beta, scale, None, None, do, dht), graphs=False)
                     rec(name=f"{fam}_recurrent_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V,

@@ -3,8 +3,8 @@
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
-// as does KDA (KDA_CUDA_KDA_PREP: 2, the default, kda_chunk_prep2.cuh; 3 it with the 8x8 split of the diagonal
-// blocks; 1 the v1 kernel kda_chunk_prep.cuh; 0 the generic one). Both variables are read at every call.
+// as does KDA (KDA_CUDA_KDA_PREP: 3, the default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms;
+// 2 it without the split, 0.61 ms; 1 the v1 kernel kda_chunk_prep.cuh, 0.82 ms; 0 the generic one). Both variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
@@ -127,7 +127,7 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
     if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
     else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    const int version = env_int("KDA_CUDA_KDA_PREP", 2);
+    const int version = env_int("KDA_CUDA_KDA_PREP", 3);
     if (version != 0) launch_kda_prep<KP>(p, max_chunks, st, version);
     else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
   } else {
