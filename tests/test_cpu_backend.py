@@ -182,6 +182,39 @@ def test_chunk_equals_recurrent(cpu, family):
         assert rel_err(rb, ra) <= 1e-5, f"{n}: chunk vs recurrent {rel_err(rb, ra):.3g}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["batch", "varlen"])
+def test_gdn_chunk_fwd_head_blocks(cpu, layout, dtype, threads):
+    """The GDN chunked forward runs 16-token chunks with the heads of a sequence taking turns every 256 tokens:
+    sequences longer than one turn (and ending inside one), several heads per thread and a thread range that
+    starts in the middle of a sequence's heads (2 threads, HV = 3), GVA, an empty and a length-3 sequence."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, cu = (2, 600, None) if layout == "batch" else (1, 700, [0, 0, 3, 300, 300, 557, 700])
+    H, HV, K, V = 1, 3, 32, 48
+    q = torch.randn(B, T, H, K, generator=gen).to(dtype)
+    k = F.normalize(torch.rand(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen)) / 0.3
+    beta = torch.rand(B, T, HV, generator=gen)
+    N = len(cu) - 1 if cu else B
+    h0 = torch.randn(N, HV, K, V, generator=gen)
+    cut = torch.tensor(cu, dtype=torch.long) if cu else None
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, s = cpu.ops.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, h0, cut)
+    finally:
+        torch.set_num_threads(n)
+    key = ("gdn_head_blocks", layout, dtype)
+    if key not in _REF:
+        _REF[key] = ref_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                   scale=K ** -0.5, initial_state=h0.double(), cu_seqlens=cu)
+    ro, rs = _REF[key]
+    assert rel_err(ro, o) <= TOL[dtype]["o"] and rel_err(rs, s) <= TOL[dtype]["state"], (rel_err(ro, o),
+                                                                                          rel_err(rs, s))
+
+
 def _serve_inputs(family, N, T, HV=2, H=1, K=32, V=48, seed=5):
     gen = torch.Generator().manual_seed(seed)
     x = dict(q=torch.randn(N, T, H, K, generator=gen),

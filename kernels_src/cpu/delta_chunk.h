@@ -13,7 +13,10 @@
 // The forward never forms w: U = (I + L)^{-1} Diag(beta) (V - (K * Gam) S0) solves V columns instead of V + K.
 // GDN forward (per-head gate): E[t,j] = exp(G_t - G_j) is one number per pair, so A_qk and A_kk are plain
 // GEMMs scaled elementwise afterwards (gdn_prep_chunk; G summed in double, each factor exp of a difference
-// <= 0), and every Gam / Eend product is a row scaling.
+// <= 0), and every Gam / Eend product is a row scaling. The GDN forward runs chunks of GDN_CH = 16 tokens
+// (C (K + V) + 3 K V multiply-adds per token and head: ~53 k instead of ~65.5 k at C = 64), two passes over S
+// per chunk with the scalings folded into the GEMM stores, heads of a sequence taking turns every GDN_TB
+// tokens; the backward (and its state sweep) keeps C = 64.
 //
 // Backward: chunk-start states from a forward sweep; per chunk (last first) the forward quantities are rebuilt
 // and every step above is reversed by hand (transposed GEMMs, back substitution with (I + L)^T, dL = -dR X^T).
@@ -146,8 +149,84 @@ inline void gemm(int64_t M, int64_t N, int64_t Kd, float alpha, const float* __r
 }
 
 
+// GEMM tiles for the GDN forward with its per-row and per-matrix scalings folded into the store: MODE 0 stores
+// C[i] = rs[i] * (A B)[i], MODE 1 accumulates C = cb * C + A B. NV = 2: R x 16 tile, NV = 1: R x 8.
+template <int R, int NV, int MODE>
+inline void gemm_tile_x(int64_t Kd, const float* __restrict a, int64_t sai, int64_t sak, const float* __restrict b,
+                        int64_t ldb, float* __restrict c, int64_t ldc, const float* __restrict rs, float cb) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < Kd; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b);
+    const __m256 b1 = NV == 2 ? _mm256_loadu_ps(b + 8) : b0;
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * sai);
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      if (NV == 2) hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+    a += sak;
+    b += ldb;
+  }
+  // formed here, not hoisted out of the loop by the compiler: 12 accumulators + 2 B vectors + the broadcast
+  // already take 15 of the 16 registers, and GCC would otherwise spill a B vector for it
+  asm volatile("" : "+x"(cb));
+  const __m256 vcb = _mm256_set1_ps(cb);
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    if (MODE == 0) {
+      const __m256 s = _mm256_set1_ps(rs[r]);
+      _mm256_storeu_ps(cr, _mm256_mul_ps(s, lo[r]));
+      if (NV == 2) _mm256_storeu_ps(cr + 8, _mm256_mul_ps(s, hi[r]));
+    } else {
+      _mm256_storeu_ps(cr, _mm256_fmadd_ps(vcb, _mm256_loadu_ps(cr), lo[r]));
+      if (NV == 2) _mm256_storeu_ps(cr + 8, _mm256_fmadd_ps(vcb, _mm256_loadu_ps(cr + 8), hi[r]));
+    }
+  }
+}
+
+struct NoHook {
+  void operator()(int64_t) const {}
+};
+
+// Up to two products sharing B, one pass over B's 16-column panels (each panel is read from L2 once and then
+// stays in L1 for both): C1 = op(A1 B) (M1 rows), and C2 = op(A2 B) (M2 rows) when A2 is given. A(i, k) =
+// A[i * sai + k * sak]; rs1 / rs2 are the MODE 0 row scales, cb the MODE 1 factor. M1, M2 % 4 == 0, N % 8 == 0.
+// hook(p) runs after column panel p (the caller spreads its prefetches of the next chunk over the panels).
+template <int MODE, typename Hook = NoHook>
+inline void gemm_x(int64_t N, int64_t Kd, const float* __restrict B, int64_t ldb, int64_t M1, const float* A1,
+                   int64_t sai, int64_t sak, float* C1, int64_t ldc1, const float* rs1, int64_t M2 = 0,
+                   const float* A2 = nullptr, float* C2 = nullptr, int64_t ldc2 = 0, const float* rs2 = nullptr,
+                   float cb = 1.f, Hook&& hook = Hook()) {
+  auto rows = [&](auto nv, int64_t n0, int64_t M, const float* A, float* C, int64_t ldc, const float* rs) {
+    constexpr int NV = decltype(nv)::value;
+    const int64_t m6 = (M / 12) * 12;
+    int64_t i0 = 0;
+    for (; i0 < m6; i0 += 6)
+      gemm_tile_x<6, NV, MODE>(Kd, A + i0 * sai, sai, sak, B + n0, ldb, C + i0 * ldc + n0, ldc,
+                               MODE == 0 ? rs + i0 : nullptr, cb);
+    for (; i0 < M; i0 += 4)
+      gemm_tile_x<4, NV, MODE>(Kd, A + i0 * sai, sai, sak, B + n0, ldb, C + i0 * ldc + n0, ldc,
+                               MODE == 0 ? rs + i0 : nullptr, cb);
+  };
+  int64_t n0 = 0;
+  for (; n0 + 16 <= N; n0 += 16) {
+    rows(std::integral_constant<int, 2>(), n0, M1, A1, C1, ldc1, rs1);
+    if (A2) rows(std::integral_constant<int, 2>(), n0, M2, A2, C2, ldc2, rs2);
+    hook(n0 / 16);
+  }
+  if (n0 < N) {
+    rows(std::integral_constant<int, 1>(), n0, M1, A1, C1, ldc1, rs1);
+    if (A2) rows(std::integral_constant<int, 1>(), n0, M2, A2, C2, ldc2, rs2);
+    hook(n0 / 16);
+  }
+}
+
 constexpr int64_t CH = 64;
 constexpr int64_t SUB = 16;
+// GDN forward: chunks of 16 tokens (C (K + V) + 3 K V multiply-adds per token and head: 19 % fewer than at
+// C = 64 for K = V = 128; one 16-row block, so no sub-chunk GEMMs), heads taking turns every 256 tokens.
+constexpr int64_t GDN_CH = 16;
+constexpr int64_t GDN_TB = 256;
 
 struct ChunkBufs {
   int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
@@ -228,10 +307,13 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
   }
 }
 
+// Prefetch [p, p + bytes) into L2. asm volatile: GCC (12, -O2 and up) deleted the equivalent _mm_prefetch loop
+// inside prefetch_chunk as code without effect, so before session 7 no prefetch instruction was in the library.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  for (uintptr_t l = a & ~uintptr_t(63); l < a + bytes; l += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T1);
+  const char* line = reinterpret_cast<const char*>(a & ~uintptr_t(63));
+  const int64_t n = static_cast<int64_t>(a & 63) + bytes;
+  for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht1 %0" : : "m"(line[off]));
 }
 
 // Prefetch rows [i0, i1) of the chunk starting at token c0 into L2. The rows of one head are H*K elements
@@ -496,44 +578,60 @@ inline void gdn_prep_chunk(ChunkBufs& b, int64_t Cp, GdnRows& r) {
 
 // One chunk forward from state S (updated in place): U = (I + L)^{-1} Diag(beta) (V - (K Gam) S0) (the solve
 // runs on V columns only: w S0 is never formed), o = scale ((Q Gam) S0 + A_qk U) when o is given (Cp x Vp),
-// S <- Gam_last S + (K Eend)^T U. pf(stage) is called between the stages (prefetch of the next chunk).
-template <bool PC, typename Pf>
-inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* o, Pf&& pf) {
+// S <- Gam_last S + (K Eend)^T U.
+// GDN (!PC): two passes over S, each with its row scalings in the GEMM's store: [K; Q] S0 in one pass (u =
+// Gam (K S0), o = scale Gam (Q S0)), then S <- Gam_last S + (K Eend)^T U. pf(i, n) is called after each of
+// the n column panels of the two passes (i = 0 .. n-1): the driver prefetches the next chunk's rows there, a
+// few at a time (a burst of them stalls on the core's miss buffers). The KDA path does not prefetch: its
+// prefetch compiled to nothing before session 7 (see prefetch_bytes), and a working one (three bursts per
+// 64-token chunk) measured mixed on the loaded VM (slower at T = 512, faster at T = 4096), so it stays off.
+struct NoPf {
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <bool PC, typename Pf = NoPf>
+inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* o, Pf&& pf = Pf()) {
   const int64_t Kp = b.Kp, Vp = b.Vp;
-  GdnRows r;
-  if (PC)
-    prep_chunk_a(b, Cp);
-  else
+  if constexpr (!PC) {
+    GdnRows r;
     gdn_prep_chunk(b, Cp, r);
-  pf(1);
-  gemm<false>(Cp, Vp, Kp, 1.f, PC ? b.kg : b.k, Kp, 1, S, Vp, b.u, Vp);
-  for (int64_t t = 0; t < Cp; ++t) {
-    float* ut = b.u + t * Vp;
-    const float* vt = b.v + t * Vp;
-    const float bt = b.beta[t], gt = PC ? 1.f : r.gam[t];
-    for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - gt * ut[c]);
-  }
-  solve_lower(b.lm, Cp, b.u, Vp, Vp);
-  pf(2);
-  if (o) {
-    gemm<false>(Cp, Vp, Kp, sc, PC ? b.qg : b.q, Kp, 1, S, Vp, o, Vp);
-    if (!PC)
-      for (int64_t t = 0; t < Cp; ++t)
-        for (int64_t c = 0; c < Vp; ++c) o[t * Vp + c] *= r.gam[t];
-    for (int64_t p = 0; p < Cp / SUB; ++p)
-      gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
-  }
-  pf(3);
-  if (PC) {
-    chunk_state(b, Cp, S);
-  } else {
-    const float gl = r.gam[Cp - 1];
-    for (int64_t i = 0; i < Kp * Vp; ++i) S[i] *= gl;
+    alignas(32) float rso[CH];
+    for (int64_t t = 0; t < Cp; ++t) rso[t] = sc * r.gam[t];
+    const int64_t np = (Vp + 15) / 16;
+    gemm_x<0>(Vp, Kp, S, Vp, Cp, b.k, Kp, 1, b.u, Vp, r.gam, o ? Cp : 0, o ? b.q : nullptr, o, Vp, rso, 1.f,
+              [&](int64_t p) { pf(p, 2 * np); });
+    for (int64_t t = 0; t < Cp; ++t) {
+      float* ut = b.u + t * Vp;
+      const float* vt = b.v + t * Vp;
+      const float bt = b.beta[t];
+      for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - ut[c]);
+    }
+    solve_lower(b.lm, Cp, b.u, Vp, Vp);
+    if (o)
+      for (int64_t p = 0; p < Cp / SUB; ++p)
+        gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
     for (int64_t t = 0; t < Cp; ++t) {
       const float e = r.eend[t];
       for (int64_t c = 0; c < Kp; ++c) b.kend[t * Kp + c] = e * b.k[t * Kp + c];
     }
-    gemm<true>(Kp, Vp, Cp, 1.f, b.kend, 1, Kp, b.u, Vp, S, Vp);
+    gemm_x<1>(Vp, Cp, b.u, Vp, Kp, b.kend, 1, Kp, S, Vp, nullptr, 0, nullptr, nullptr, 0, nullptr, r.gam[Cp - 1],
+              [&](int64_t p) { pf(np + p, 2 * np); });
+  } else {
+    prep_chunk_a(b, Cp);
+    gemm<false>(Cp, Vp, Kp, 1.f, b.kg, Kp, 1, S, Vp, b.u, Vp);
+    for (int64_t t = 0; t < Cp; ++t) {
+      float* ut = b.u + t * Vp;
+      const float* vt = b.v + t * Vp;
+      const float bt = b.beta[t];
+      for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - ut[c]);
+    }
+    solve_lower(b.lm, Cp, b.u, Vp, Vp);
+    if (o) {
+      gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, o, Vp);
+      for (int64_t p = 0; p < Cp / SUB; ++p)
+        gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
+    }
+    chunk_state(b, Cp, S);
   }
 }
 
@@ -551,31 +649,66 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   T* op = o.data_ptr<T>();
   float* fp = fin.data_ptr<float>();
   const int64_t K = d.K, V = d.V, KV = K * V, N = static_cast<int64_t>(seqs.size());
-  const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8);
+  const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8), KVp = Kp * Vp;
   const float sc = static_cast<float>(scale);
   const int64_t grain = item_grain(seqs, KV);
   at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
     ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, false);
-    float* S = scratch(cs.state, Kp * Vp);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / d.HV, hv = item % d.HV;
-      const Seq& s = seqs[n];
-      state_in(h0p ? h0p + item * KV : nullptr, K, V, S, Kp, Vp);
-      for (int64_t c0 = 0; c0 < s.len; c0 += CH) {
-        const int64_t Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB), nx = c0 + CH;
-        load_chunk<T, PC, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
-        auto pf = [&](int stage) {
-          if (nx < s.len) prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, hv, nx, (stage - 1) * CH / 3, stage * CH / 3);
-        };
-        chunk_fwd_core<PC>(b, Cp, sc, S, b.o, pf);
-        for (int64_t i = 0; i < Cc; ++i) {
-          const int64_t row = s.b * d.T + s.start + c0 + i;
-          store_row_stream(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
-        }
+    auto store_o = [&](const Seq& s, int64_t hv, int64_t c0, int64_t Cc) {
+      for (int64_t i = 0; i < Cc; ++i) {
+        const int64_t row = s.b * d.T + s.start + c0 + i;
+        store_row_stream(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
       }
-      state_out(S, Kp, Vp, fp + item * KV, K, V);
+    };
+    if constexpr (!PC) {
+      // GDN: chunks of GDN_CH tokens; the thread's heads of one sequence take turns every GDN_TB tokens, so the
+      // pages of a block's rows (one per token and tensor: rows of one head are H*K elements apart) are shared
+      // by all of them instead of each head walking its own pages through the whole sequence.
+      for (int64_t g0 = begin; g0 < end;) {
+        const int64_t n = g0 / d.HV, g1 = std::min(end, (n + 1) * d.HV), hv0 = g0 - n * d.HV, nh = g1 - g0;
+        const Seq& s = seqs[n];
+        float* states = scratch(cs.states, nh * KVp);
+        for (int64_t j = 0; j < nh; ++j) state_in(h0p ? h0p + (g0 + j) * KV : nullptr, K, V, states + j * KVp, Kp, Vp);
+        for (int64_t t0 = 0; t0 < s.len; t0 += GDN_TB) {
+          const int64_t t1 = std::min(s.len, t0 + GDN_TB);
+          for (int64_t j = 0; j < nh; ++j)
+            for (int64_t c0 = t0; c0 < t1; c0 += GDN_CH) {
+              const int64_t hv = hv0 + j, Cc = std::min(GDN_CH, s.len - c0), Cp = round_up(Cc, SUB);
+              load_chunk<T, false, false>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+              // the next chunk in this order: this head's next one in the block, else the next head's first,
+              // else the first head's first of the next block
+              int64_t nhv = hv, nc0 = c0 + GDN_CH;
+              if (nc0 >= t1) {
+                nhv = j + 1 < nh ? hv + 1 : hv0;
+                nc0 = j + 1 < nh ? t0 : t1;
+              }
+              auto pf = [&](int64_t i, int64_t parts) {
+                if (nc0 < s.len)
+                  prefetch_chunk<T, false>(qp, kp, vp, gp, d, s, nhv, nc0, i * GDN_CH / parts, (i + 1) * GDN_CH / parts);
+              };
+              chunk_fwd_core<false>(b, Cp, sc, states + j * KVp, b.o, pf);
+              store_o(s, hv, c0, Cc);
+            }
+        }
+        for (int64_t j = 0; j < nh; ++j) state_out(states + j * KVp, Kp, Vp, fp + (g0 + j) * KV, K, V);
+        g0 = g1;
+      }
+    } else {
+      float* S = scratch(cs.state, KVp);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n = item / d.HV, hv = item % d.HV;
+        const Seq& s = seqs[n];
+        state_in(h0p ? h0p + item * KV : nullptr, K, V, S, Kp, Vp);
+        for (int64_t c0 = 0; c0 < s.len; c0 += CH) {
+          const int64_t Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
+          load_chunk<T, true, true>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+          chunk_fwd_core<true>(b, Cp, sc, S, b.o);
+          store_o(s, hv, c0, Cc);
+        }
+        state_out(S, Kp, Vp, fp + item * KV, K, V);
+      }
     }
     stream_fence();
   });
@@ -784,7 +917,7 @@ void chunk_bwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const int64_t c0 = c * CH, Cc = std::min(CH, s.len - c0), Cp = round_up(Cc, SUB);
         load_chunk<T, PC, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
         std::memcpy(st + (c + 1) * KVp, st + c * KVp, KVp * sizeof(float));
-        chunk_fwd_core<PC>(b, Cp, sc, st + (c + 1) * KVp, nullptr, [](int) {});
+        chunk_fwd_core<PC>(b, Cp, sc, st + (c + 1) * KVp, nullptr);
       }
       state_in(dfp ? dfp + item * KV : nullptr, K, V, dS, Kp, Vp);
       for (int64_t c = nc - 1; c >= 0; --c) {
