@@ -3,4 +3,7 @@
 source "$(dirname "$0")/device_env.sh"
 BUILD_TIMEOUT=150 build_cuda 16
 python3 -c 'import fla; print("fla", fla.__version__)'
-OUT="$OUT" BENCH_NSHAPES=1 BENCH_SKIP_RECURRENT=1 timeout 200 python3 benchmarks/cuda/bench_chunk_bwd.py 2>&1 | grep -v Warn | tee "$OUT/bench_bwd.log" | cut -c1-330
+# (straight into the log: session 7's call piped this through grep, whose buffer the timeout killed with every row)
+OUT="$OUT" BENCH_NSHAPES=1 BENCH_SKIP_RECURRENT=1 timeout ${BWD_TIMEOUT:-200} python3 benchmarks/cuda/bench_chunk_bwd.py \
+  > "$OUT/bench_bwd.log" 2>&1
+grep '^{' "$OUT/bench_bwd.log" | cut -c1-330
