@@ -139,6 +139,13 @@ CASES = [
          TypeError, r"output_final_state must be a bool"),
     Case("head_first", "head_first=True (fla's [B, H, T, K] layout)", CORE, _set(head_first=True), ValueError,
          r"head_first=True is not supported"),
+    Case("unknown_keyword", "a misspelt keyword (initial_states=...)", CORE, _set(initial_states=None), TypeError,
+         r"unexpected keyword argument\(s\) \['initial_states'\]"),
+    Case("return_intermediate_states", "return_intermediate_states=True (fla's extra output)", CORE,
+         _set(return_intermediate_states=True), ValueError, r"return_intermediate_states=True is not supported"),
+    Case("gdn_gk", "gk / gv given (fla 0.6.0's per-key / per-value gates; or beta passed fifth)",
+         ("fused_recurrent_gated_delta_rule",), _set(gk=lambda a, f: a["beta"], beta=None), ValueError,
+         r"gk / gv \(per-key / per-value gates\) are not supported .*pass beta=\.\.\. by keyword"),
     # ---- varlen
     Case("cu_seqlens_float", "cu_seqlens float32", CORE, _set(cu_seqlens=lambda a, f: a["cu_seqlens"].float()),
          TypeError, r"cu_seqlens must be an integer tensor", dict(varlen=True)),
