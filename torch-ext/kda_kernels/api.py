@@ -14,9 +14,9 @@ from .ops import ops
 # are exact for any gate, bounded or not; the rest are fla's scheduling hints or Transformers' bookkeeping).
 _IGNORED_KWARGS = {"cu_seqlens_cpu", "use_cache", "safe_gate", "disable_recompute", "chunk_indices", "layer_idx",
                    "output_attentions", "use_graph", "max_num_seqs", "chunk_size"}
-# fla keyword arguments this package supports only at their default value (anything else would change the result).
-_DEFAULT_ONLY_KWARGS = {"head_first": False, "transpose_state_layout": False, "return_intermediate_states": False,
-                        "cp_context": None}
+# fla keyword arguments this package supports only at their default value (anything else would change the result;
+# _check_kwargs refuses the others one by one, with what to use instead).
+_DEFAULT_ONLY_KWARGS = {"head_first", "transpose_state_layout", "return_intermediate_states", "cp_context"}
 
 
 def _check_kwargs(op, kwargs):
@@ -30,7 +30,7 @@ def _check_kwargs(op, kwargs):
     if kwargs.get("cp_context") is not None:
         raise ValueError(f"[{op}] fla's cp_context is not supported: use kda_kernels.context_parallel "
                          "(chunk_kda_cp / chunk_gated_delta_rule_cp, docs/context_parallel.md)")
-    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - set(_DEFAULT_ONLY_KWARGS))
+    unknown = sorted(set(kwargs) - _IGNORED_KWARGS - _DEFAULT_ONLY_KWARGS)
     if unknown:
         raise TypeError(f"[{op}] unexpected keyword argument(s) {unknown}")
 

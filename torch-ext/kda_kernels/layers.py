@@ -58,8 +58,10 @@ def _cu_from_seq_idx(seq_idx):
 
 
 def _delta(fn, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, kwargs):
-    return fn(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=bool(output_final_state),
-              use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), cu_seqlens=_packing(query.shape[0], kwargs))
+    # g and beta by keyword: fla 0.6.0's fused_recurrent_gated_delta_rule has gk, gv before beta
+    return fn(query, key, value, g=g, beta=beta, initial_state=initial_state,
+              output_final_state=bool(output_final_state), use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+              cu_seqlens=_packing(query.shape[0], kwargs))
 
 
 class chunk_kimi_delta_attention(nn.Module):
