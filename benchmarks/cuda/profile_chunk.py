@@ -46,6 +46,26 @@ def kernel_times(fn, reps=5):
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+# Knobs whose values are timed in turn, in the same process (the host code reads them on every call):
+# (option, environment variable, phase, row name prefix, KDA only, what the values select)
+KNOB_SWEEPS = [
+    ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False, "1 single kernel, 4 the bulk-prefetch scan"),
+    ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
+     "0 the generic prep, 1 kda_chunk_prep v1, 2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 "
+     "inputs"),
+    ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
+     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs"),
+    ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
+     "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 4 it "
+     "with plain tf32"),
+    ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
+     "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it "
+     "with plain tf32"),
+    ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
+     "1 grad3_ch_kernel, 2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance"),
+]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
@@ -54,9 +74,6 @@ def main():
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
-    ap.add_argument("--scans", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_SCAN values (1 single kernel, 4 the bulk-prefetch scan) to "
-                         "also time the forward with, each as fwd_scanN")
     ap.add_argument("--bwd-grad-v1", action="store_true",
                     help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
                          "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
@@ -66,25 +83,9 @@ def main():
     ap.add_argument("--bwd-prep2", action="store_true",
                     help="also time the backward with the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2; the default for "
                          "bf16/fp16 inputs is the tensor-core prep v3) as bwd_prep2")
-    ap.add_argument("--bwd-state-fwd", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_FWD values (2 the fp32 SIMT state_fwd2, 3 state_fwd3 "
-                         "3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs) to also time the backward "
-                         "with, each as bwd_state_fwdN")
-    ap.add_argument("--bwd-state-bwd", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_BWD_STATE_BWD values (2 the fp32 SIMT state_bwd2, 3 "
-                         "state_bwd3 on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 4 it with plain "
-                         "tf32) to also time the backward with, each as bwd_state_bwdN")
-    ap.add_argument("--bwd-vc", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_BWD_VC values (1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on "
-                         "tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it with plain tf32) to also "
-                         "time the backward with, each as bwd_vcN")
-    ap.add_argument("--bwd-ch", default="",
-                    help="comma-separated KDA_CUDA_CHUNK_BWD_CH values (1 grad3_ch_kernel, 2 grad3_ch2, the default for "
-                         "KDA, 3 its 128-register instance) to also time the backward with, each as bwd_chN")
-    ap.add_argument("--kda-prep", default="",
-                    help="comma-separated KDA_CUDA_KDA_PREP values (0 the generic prep, 1 kda_chunk_prep v1, 2 "
-                         "kda_chunk_prep2, the default for bf16/fp16 inputs) to also time the forward with, each as "
-                         "fwd_kda_prepN (KDA only)")
+    for opt, env, phase, row, kda_only, values in KNOB_SWEEPS:
+        ap.add_argument(opt, default="", help=f"comma-separated {env} values ({values}) to also time the {phase} "
+                                              f"with, each as {row}N" + (" (KDA only)" if kda_only else ""))
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -101,20 +102,14 @@ def main():
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
-        extra = [(True, "fwd", f"fwd_scan{x}", {"KDA_CUDA_CHUNK_SCAN": x}) for x in args.scans.split(",") if x]
-        extra += [(family == "kda", "fwd", f"fwd_kda_prep{x}", {"KDA_CUDA_KDA_PREP": x})
-                  for x in args.kda_prep.split(",") if x]
-        extra += [(True, "bwd", f"bwd_state_fwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_FWD": x})
-                  for x in args.bwd_state_fwd.split(",") if x]
+        extra = [(family == "kda" or not kda_only, phase, f"{row}{x}", {env: x})
+                 for opt, env, phase, row, kda_only, _ in KNOB_SWEEPS
+                 for x in getattr(args, opt[2:].replace("-", "_")).split(",") if x]
         extra += [(args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
                   (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
                    {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
                   (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"}),
                   (args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
-        extra += [(True, "bwd", f"bwd_state_bwd{x}", {"KDA_CUDA_CHUNK_BWD_STATE_BWD": x})
-                  for x in args.bwd_state_bwd.split(",") if x]
-        extra += [(True, "bwd", f"bwd_vc{x}", {"KDA_CUDA_CHUNK_BWD_VC": x}) for x in args.bwd_vc.split(",") if x]
-        extra += [(True, "bwd", f"bwd_ch{x}", {"KDA_CUDA_CHUNK_BWD_CH": x}) for x in args.bwd_ch.split(",") if x]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):
