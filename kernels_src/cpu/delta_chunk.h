@@ -592,14 +592,8 @@ struct NoPf {
 template <bool PC, typename Pf = NoPf>
 inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* o, Pf&& pf = Pf()) {
   const int64_t Kp = b.Kp, Vp = b.Vp;
-  if constexpr (!PC) {
-    GdnRows r;
-    gdn_prep_chunk(b, Cp, r);
-    alignas(32) float rso[CH];
-    for (int64_t t = 0; t < Cp; ++t) rso[t] = sc * r.gam[t];
-    const int64_t np = (Vp + 15) / 16;
-    gemm_x<0>(Vp, Kp, S, Vp, Cp, b.k, Kp, 1, b.u, Vp, r.gam, o ? Cp : 0, o ? b.q : nullptr, o, Vp, rso, 1.f,
-              [&](int64_t p) { pf(p, 2 * np); });
+  // b.u holds the prediction (K Gam) S0 on entry: U = (I + L)^{-1} Diag(beta) (V - pred), then o += scale A_qk U
+  auto residual_solve_intra = [&] {
     for (int64_t t = 0; t < Cp; ++t) {
       float* ut = b.u + t * Vp;
       const float* vt = b.v + t * Vp;
@@ -610,6 +604,16 @@ inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* 
     if (o)
       for (int64_t p = 0; p < Cp / SUB; ++p)
         gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
+  };
+  if constexpr (!PC) {
+    GdnRows r;
+    gdn_prep_chunk(b, Cp, r);
+    alignas(32) float rso[CH];
+    for (int64_t t = 0; t < Cp; ++t) rso[t] = sc * r.gam[t];
+    const int64_t np = (Vp + 15) / 16;
+    gemm_x<0>(Vp, Kp, S, Vp, Cp, b.k, Kp, 1, b.u, Vp, r.gam, o ? Cp : 0, o ? b.q : nullptr, o, Vp, rso, 1.f,
+              [&](int64_t p) { pf(p, 2 * np); });
+    residual_solve_intra();
     for (int64_t t = 0; t < Cp; ++t) {
       const float e = r.eend[t];
       for (int64_t c = 0; c < Kp; ++c) b.kend[t * Kp + c] = e * b.k[t * Kp + c];
@@ -619,18 +623,8 @@ inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* 
   } else {
     prep_chunk_a(b, Cp);
     gemm<false>(Cp, Vp, Kp, 1.f, b.kg, Kp, 1, S, Vp, b.u, Vp);
-    for (int64_t t = 0; t < Cp; ++t) {
-      float* ut = b.u + t * Vp;
-      const float* vt = b.v + t * Vp;
-      const float bt = b.beta[t];
-      for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - ut[c]);
-    }
-    solve_lower(b.lm, Cp, b.u, Vp, Vp);
-    if (o) {
-      gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, o, Vp);
-      for (int64_t p = 0; p < Cp / SUB; ++p)
-        gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
-    }
+    if (o) gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, o, Vp);  // o = scale (Q Gam) S0; A_qk U added below
+    residual_solve_intra();
     chunk_state(b, Cp, S);
   }
 }
