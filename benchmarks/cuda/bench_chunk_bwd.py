@@ -12,7 +12,8 @@ Triton 3.6) are recorded as they are raised.
 
     BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GRAD=3" python3 benchmarks/cuda/bench_chunk_bwd.py
 adds rows "ours[KNOB=VAL,...]" (each ;-separated variant's knobs set while it is timed) beside the defaults.
-BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows.
+BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows; BENCH_PHASES sets the order
+of the two sides (default "ours,fla_0.6.0").
 """
 import json
 import os
@@ -98,8 +99,9 @@ def main():
         fla_gdn = fla_kda = None
     kk = load_ours()
     K = V = 128
-    # ours on every shape first, then fla (whose first calls include Triton compilation and autotuning)
-    for phase in ("ours", "fla_0.6.0"):
+    # ours on every shape first, then fla (whose first calls include Triton compilation and autotuning);
+    # BENCH_PHASES=fla_0.6.0,ours puts fla first when its rows are the ones a short call must not lose
+    for phase in os.environ.get("BENCH_PHASES", "ours,fla_0.6.0").split(","):
         bench_phase(phase, kk, fla_kda, fla_gdn, K, V)
     out = {"meta": meta, "results": RES}
     (OUT / "cuda_chunk_bwd.json").write_text(json.dumps(out, indent=1))
