@@ -65,7 +65,7 @@ struct Params {
   // gdgl at qgc / kendc / glc (dead once state_bwd2 has run); dA_qk and dA_kk go in place into aqk and akk.
   float *gdqg, *gdkend, *gdw, *gdgl;
   // outputs
-  float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host)
+  float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host); GDN grad3_gdn: dg [tokens, HV]
   float *dbeta;         // [tokens, HV]
   void* dv;             // [tokens, HV, V], input dtype
   float* dh0;           // [N, HV, K, V]

@@ -1,8 +1,9 @@
 // grad3_gdn (issue #7): the last kernel of the split grad v3 for GDN (per-head gate, PC = false), replacing
 // grad3_ch_kernel<false> (KDA_CUDA_CHUNK_BWD_CH=2, the default; =1 runs grad3_ch, kept to compare). Same inputs
 // (grad3_vc's dQG, dKend, dGam_last, grad3_wy's dR_w, dA_qk, dA_kk and partial dbeta), same outputs: dq, dk
-// [tokens, HV, K] fp32, dbeta (+ dRg . k), and dg in p.dg's [tokens, HV, K] layout, whose channels the host sums
-// for GDN (chunk_bwd_finish): the token's whole gate gradient goes to channel 0, zeros to the others.
+// [tokens, HV, K] fp32, dbeta (+ dRg . k), and dg per head: p.dg is [tokens, HV] fp32 here (grad3_ch writes
+// [tokens, HV, K] and the host sums the channels; with this kernel the host allocates [tokens, HV], see
+// bwd_dg_per_head in delta_chunk_bwd_host.cuh).
 //
 // With a scalar gate per (token, value head), every decay factor of grad3_ch's per-channel running products is
 // one number: Gam_t = e^{G_t}, Eend_t = e^{G_last - G_t}, E[t, j] = D[t, j] = e^{G_t - G_j} (j <= t), where G
@@ -358,12 +359,6 @@ __global__ void __launch_bounds__(NT, 2) grad3_gdn_kernel(Params p) {
         }
       }
   }
-  // dg's channels 1.. K - 1 (the host sums dg over the channels for GDN; channel 0 gets the whole gradient below)
-  for (int i = tid; i < Cc * K; i += NT) {
-    const int t = i / K, c = i - t * K;
-    if (c != 0) p.dg[tok(t) * K + c] = 0.f;
-  }
-
   // ---- P[t, j] = Mq[t, j] (q_t . k_j) + Mk[t, j] (k_t . k_j), j < t: Q K^T and K K^T on the 20 lower 16 x 8 tiles
   // (warp: rows 16 a .. + 15, columns 32 nh .. + 31)
   {
@@ -449,7 +444,7 @@ __global__ void __launch_bounds__(NT, 2) grad3_gdn_kernel(Params p) {
     if (pp == 0) rr[i] = s;
   }
   __syncthreads();
-  // ---- dg (channel 0) and dbeta, warp 0: suffix sums of r1 = q . Gam dQG + beta k . Gam dR_w, prefix sums of
+  // ---- dg (per head, [tokens, HV]) and dbeta, warp 0: suffix sums of r1 = q . Gam dQG + beta k . Gam dR_w, prefix sums of
   // r2 = k . Eend dKend (both direct: no difference of partial sums)
   if (warp == 0) {
     const int t0 = 2 * lane;
@@ -487,11 +482,11 @@ __global__ void __launch_bounds__(NT, 2) grad3_gdn_kernel(Params p) {
     const float cgl = misc[4] * (((misc[0] + misc[1]) + misc[2]) + misc[3]);
     const float dg0 = ((suf0 + cgl) + pre0) + rr[t0], dg1 = ((suf1 + cgl) + pre1) + rr[t0 + 1];
     if (t0 < Cc) {
-      p.dg[tok(t0) * K] = dg0;
+      p.dg[tok(t0)] = dg0;
       p.dbeta[tok(t0)] = dbi[t0] + rk[0];
     }
     if (t0 + 1 < Cc) {
-      p.dg[tok(t0 + 1) * K] = dg1;
+      p.dg[tok(t0 + 1)] = dg1;
       p.dbeta[tok(t0 + 1)] = dbi[t0 + 1] + rk[1];
     }
   }

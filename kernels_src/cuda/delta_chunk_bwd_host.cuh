@@ -5,6 +5,7 @@
 // wide call -- the context-parallel transition at value width K + V -- on the chunked kernels.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "delta_chunk_bwd.cuh"
@@ -34,7 +35,9 @@ enum BwdWork {
 };
 // cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
 // state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kBwCfgLen };
+// kCfgCh: the last grad3 kernel (KDA_CUDA_CHUNK_BWD_CH; see chunk_bwd_grad_stage), read at stage 0 like the others
+// because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
+enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
 // says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
@@ -100,6 +103,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // for bf16/fp16 inputs with V % 4 == 0; delta_chunk_bwd_grad3_vc_tc.cuh), 3 = it with plain tf32 (kept to
     // measure), 1 = the fp32 SIMT grad3_vc (always for fp32 inputs)
     c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 2);
+    c[kCfgCh] = env_int("KDA_CUDA_CHUNK_BWD_CH", 2);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -240,16 +244,33 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers).
+// Points of the grad stage where work buffers die and outputs are first written: chunk_bwd_block frees and
+// allocates there (a hook), so that the grad stage's peak is the work alone; the staged op allocates every output
+// before the stage and passes no hook. Grad v3 (the default; which kernel reads what: see each kernel's file):
+//   kGradBeforeWy  after the three grad3_vc launches: hs, dhs, U are dead; grad3_wy writes dv and dbeta
+//   kGradBeforeCh  after grad3_wy: u, dU, wc are dead; grad3_ch / ch2 / gdn write dq, dk, dg (and add to dbeta)
+// v1 / v2 (one grad kernel): kGradAll before it (nothing dead, every output needed).
+enum GradPoint { kGradBeforeWy = 0, kGradBeforeCh, kGradAll };
+using GradHook = std::function<void(GradPoint, chunk_bwd::Params&)>;
+
+// GDN's grad3_gdn writes dg per head, [tokens, HV] (the token's gate gradient summed over channels in the kernel);
+// every other grad kernel per channel, [tokens, HV, K] (the host sums GDN's channels).
 template <bool PC>
-void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
-                          cudaStream_t st) {
+bool bwd_dg_per_head(const std::vector<at::Tensor>& work) {
+  return !PC && bwd_cfg(work, kCfgGrad) == 3 && bwd_cfg(work, kCfgCh) != 1;
+}
+
+// Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers, or set by `hook` at its points).
+template <bool PC>
+void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vector<at::Tensor>& work, cudaStream_t st,
+                          const GradHook& hook = {}) {
   namespace cb = chunk_bwd;
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max <= 0 || s.HV <= 0) return;
   const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
   const int grad_mode = static_cast<int>(bwd_cfg(work, kCfgGrad));
   if (grad_mode == 1) {
+    if (hook) hook(kGradAll, p);
     cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   } else if (grad_mode == 3) {
     const int64_t vc_mode = bwd_cfg(work, kCfgVc);
@@ -277,6 +298,7 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       cb::grad3_vc_kernel<PC, 2><<<gchunks, cb::NT, cb::kVcSmem, st>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    if (hook) hook(kGradBeforeWy, p);
     // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0
     // with the v2 state buffers; KDA_CUDA_CHUNK_BWD_WY=1 runs grad3_wy (kept to compare), =3 grad3_wy2 with plain
     // tf32 products for bf16 inputs (kept to measure)
@@ -288,18 +310,19 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       cb::grad3_wy_kernel<PC><<<gchunks, cb::NT, cb::kWySmem, st>>>(p);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (hook) hook(kGradBeforeCh, p);
+    const int64_t ch_mode = bwd_cfg(work, kCfgCh);
     if constexpr (PC) {
       // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM) by
       // default (=3: its 128-register instance); KDA_CUDA_CHUNK_BWD_CH=1 runs grad3_ch_kernel (one 226 KB block
       // per SM; kept to compare)
-      const int ch_mode = env_int("KDA_CUDA_CHUNK_BWD_CH", 2);
       if (ch_mode == 1) cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
       else cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
-      // for bf16-fp16 / fp32 inputs: two blocks per SM) by default; KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel
-      // grad3_ch (kept to compare)
-      if (env_int("KDA_CUDA_CHUNK_BWD_CH", 2) != 1) {
+      // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head) by default;
+      // KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel grad3_ch (kept to compare)
+      if (ch_mode != 1) {
         auto kern = cb::grad3_gdn<PC>(p.in_dtype);
         const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
         allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
@@ -310,6 +333,7 @@ void chunk_bwd_grad_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
     }
   } else {
+    if (hook) hook(kGradAll, p);
     cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -322,26 +346,44 @@ inline at::Tensor bwd_alloc_dh0(const Shapes& s, const at::Tensor& q, chunk_bwd:
   return dh0;
 }
 
-// dq, dk, dg (per value head, fp32), dbeta, dv, written by the grad stage. Varlen: tokens outside every sequence
-// stay 0.
-inline ChunkBwdF32 bwd_alloc_grads(const Shapes& s, const at::Tensor& q, const at::Tensor& v, bool varlen,
-                                   chunk_bwd::Params& p) {
-  const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
-  auto f32 = q.options().dtype(at::kFloat);
-  auto out_buf = [&](std::initializer_list<int64_t> shape) {
-    return varlen ? at::zeros(shape, f32) : at::empty(shape, f32);
-  };
-  ChunkBwdF32 r;
-  r.dq = out_buf({tokens, s.HV, s.K});
-  r.dk = out_buf({tokens, s.HV, s.K});
-  r.dg = out_buf({tokens, s.HV, s.K});
-  r.dbeta = out_buf({s.B, s.T, s.HV});
-  r.dv = varlen ? at::zeros_like(v) : at::empty_like(v);
-  p.dq = r.dq.data_ptr<float>(); p.dk = r.dk.data_ptr<float>(); p.dg = r.dg.data_ptr<float>();
+// The grad stage's outputs in two groups (allocated when first needed, see GradPoint; each call allocates what
+// is still missing): dv, dbeta (written by grad3_wy) and dq, dk, dg (per value head, fp32; dg [tokens, HV] when
+// `dg_per_head`, else [tokens, HV, K]). Varlen: tokens outside every sequence stay 0.
+inline void bwd_alloc_dv_dbeta(const Shapes& s, const at::Tensor& q, const at::Tensor& v, bool varlen, ChunkBwdF32& r,
+                               chunk_bwd::Params& p) {
+  if (!r.dv.defined()) {
+    auto shape = std::vector<int64_t>{s.B, s.T, s.HV};
+    r.dbeta = varlen ? at::zeros(shape, q.options().dtype(at::kFloat)) : at::empty(shape, q.options().dtype(at::kFloat));
+    r.dv = varlen ? at::zeros_like(v) : at::empty_like(v);
+  }
   p.dbeta = r.dbeta.data_ptr<float>(); p.dv = r.dv.data_ptr();
+}
+
+inline void bwd_alloc_dq_dk_dg(const Shapes& s, const at::Tensor& q, bool varlen, bool dg_per_head, ChunkBwdF32& r,
+                               chunk_bwd::Params& p) {
+  if (!r.dq.defined()) {
+    const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
+    auto f32 = q.options().dtype(at::kFloat);
+    auto out_buf = [&](std::vector<int64_t> shape) { return varlen ? at::zeros(shape, f32) : at::empty(shape, f32); };
+    r.dq = out_buf({tokens, s.HV, s.K});
+    r.dk = out_buf({tokens, s.HV, s.K});
+    r.dg = dg_per_head ? out_buf({tokens, s.HV}) : out_buf({tokens, s.HV, s.K});
+  }
+  p.dq = r.dq.data_ptr<float>(); p.dk = r.dk.data_ptr<float>(); p.dg = r.dg.data_ptr<float>();
+}
+
+inline ChunkBwdF32 bwd_alloc_grads(const Shapes& s, const at::Tensor& q, const at::Tensor& v, bool varlen,
+                                   bool dg_per_head, chunk_bwd::Params& p) {
+  ChunkBwdF32 r;
+  bwd_alloc_dv_dbeta(s, q, v, varlen, r, p);
+  bwd_alloc_dq_dk_dg(s, q, varlen, dg_per_head, r, p);
   return r;
 }
 
+// One backward call for V <= 128. Work buffers die where the grad stage's kernels stop reading them and the
+// outputs are allocated where they are first written (GradPoint; KDA_CUDA_CHUNK_BWD_FREE=0: every output before
+// the first stage and no work freed early, the session-7 behaviour, kept to measure). The peak of the call is then
+// the work list at grad3_vc (docs/cuda.md, "Memory of the chunked backward").
 template <bool PC>
 ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
@@ -351,42 +393,49 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, false);
   at::Tensor dht;  // holds a converted copy of grad_final_state alive
   p.dht = grad_state_data(grad_final_state, dht);
-  ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), p);
+  const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work);
+  const bool lazy = env_int("KDA_CUDA_CHUNK_BWD_FREE", 1) != 0;
+  ChunkBwdF32 r;
+  if (!lazy) r = bwd_alloc_grads(s, q, v, varlen, per_head, p);
   r.dh0 = bwd_alloc_dh0(s, q, p);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   chunk_bwd_prep_stage<PC>(s, p, work, st);
   chunk_bwd_state_fwd_stage<PC>(s, p, work, st);
   chunk_bwd_state_bwd_stage<PC>(s, p, work, st);
-  chunk_bwd_grad_stage<PC>(s, p, work, st);
+  // (freed tensors go back to the caching allocator in stream order: the kernels queued before still read them)
+  GradHook hook = [&](GradPoint at, chunk_bwd::Params& pp) {
+    if (at == kGradBeforeWy && lazy) {
+      work[kBwHs].reset(); work[kBwDhs].reset(); work[kBwU].reset();
+    }
+    if (at == kGradBeforeCh && lazy) {
+      work[kBwU0].reset(); work[kBwDU].reset(); work[kBwWc].reset();
+    }
+    bwd_alloc_dv_dbeta(s, q, v, varlen, r, pp);
+    if (at != kGradBeforeWy) bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, pp);
+  };
+  chunk_bwd_grad_stage<PC>(s, p, work, st, hook);
+  if (!r.dq.defined()) r = bwd_alloc_grads(s, q, v, varlen, per_head, p);  // no grad launch (no chunks or heads)
   return r;
 }
 
-// dq, dk to the inputs' heads and dtypes, dg per channel (KDA) or per head (GDN).
+// dq, dk to the inputs' heads and dtypes, dg per channel (KDA) or per head (GDN: summed over the channels here
+// unless the grad kernel wrote it per head).
 template <bool PC>
 DeltaBwdResult chunk_bwd_finish(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r) {
   at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
   at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
-  at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1);
+  at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K})
+                         : (r.dg.dim() == 2 ? r.dg.view({s.B, s.T, s.HV}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1));
   return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
 }
 
+// The chunked backward of one call (V > 128: on column blocks, see the top of this file); s from check_core.
 template <bool PC>
-DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& g, const at::Tensor& beta, double scale,
-                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
-                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+DeltaBwdResult chunk_bwd_core(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+                              const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                              const at::Tensor& grad_o, const std::optional<at::Tensor>& dht) {
   namespace cb = chunk_bwd;
-  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
-  c10::cuda::CUDAGuard guard(q.device());
-  // the recurrent backward (exact) for K > 128, on request, and on devices without the shared memory of the
-  // chunked kernels' largest block (grad, kGradSmem ~226 KB: sm_90-class)
-  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1 ||
-      smem_optin() < static_cast<int>(cb::kGradSmem))
-    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
-  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
-              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
-  std::optional<at::Tensor> dht;
-  if (grad_final_state.has_value() && grad_final_state->defined()) dht = *grad_final_state;
   ChunkBwdF32 r;
   const int nblk = (s.V + cb::VP - 1) / cb::VP;
   if (nblk <= 1) {
@@ -415,6 +464,91 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
     r.dh0 = at::cat(dh0s, -1);
   }
   return chunk_bwd_finish<PC>(s, q, k, r);
+}
+
+// Windows of the sequence (memory): the work of one backward call grows with B * T * HV (about 1.5 GB at B1 T8192
+// HV32 K=V=128, docs/cuda.md), so a long call runs as consecutive windows of the token axis, last window first,
+// each a chunked backward of its own: its initial state is the state at the window's start (from the chunked
+// forward over the windows before it, one extra forward pass) and its grad_final_state the dh0 of the window after
+// it; the window's gradients go into the slices of the outputs. Windows start at multiples of the chunk (64), so
+// the chunks are the unwindowed call's. KDA_CUDA_CHUNK_BWD_WINDOW: tokens per window (rounded up to a multiple of
+// 64; 0: no windows); unset: windows of about kBwdWindowTokenHeads / (B * HV) tokens (2048 at B1 HV32: ~385 MB of
+// work at K=V=128), at least 512, when T is longer. Fixed-length batches only (varlen runs unwindowed: its
+// windows would need cu_seqlens on the host). Returns the window length, 0 for none.
+constexpr int64_t kBwdWindowTokenHeads = 65536;
+
+inline int64_t bwd_window_tokens(const Shapes& s, bool varlen) {
+  namespace cb = chunk_bwd;
+  if (varlen || s.B <= 0 || s.HV <= 0 || s.T <= cb::CH) return 0;
+  const int knob = env_int("KDA_CUDA_CHUNK_BWD_WINDOW", -1);
+  if (knob == 0) return 0;
+  int64_t tw = knob > 0 ? knob : std::max<int64_t>(512, kBwdWindowTokenHeads / (static_cast<int64_t>(s.B) * s.HV));
+  tw = std::max<int64_t>(cb::CH, (tw + cb::CH - 1) / cb::CH * cb::CH);
+  if (s.T <= tw) return 0;
+  const int64_t nw = (s.T + tw - 1) / tw;  // balanced windows: T = 8200, tw = 2048 -> 5 x 1664 (the last 1544)
+  const int64_t per = (s.T + nw - 1) / nw;
+  return (per + cb::CH - 1) / cb::CH * cb::CH;
+}
+
+template <bool PC>
+DeltaBwdResult chunk_bwd_windows(const char* op, const Shapes& s, int64_t tw, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                                 double scale, const std::optional<at::Tensor>& initial_state,
+                                 const at::Tensor& grad_o, const std::optional<at::Tensor>& dht) {
+  const int64_t nw = (s.T + tw - 1) / tw;
+  auto t0_of = [&](int64_t w) { return w * tw; };
+  auto len_of = [&](int64_t w) { return std::min<int64_t>(tw, s.T - w * tw); };
+  auto win = [&](const at::Tensor& x, int64_t w) { return x.narrow(1, t0_of(w), len_of(w)).contiguous(); };
+  // the state at each window's start: the forward over the windows before it (o of each is dropped at once)
+  std::vector<std::optional<at::Tensor>> h0s(nw);
+  h0s[0] = initial_state;
+  for (int64_t w = 0; w + 1 < nw; ++w) {
+    const at::Tensor qw = win(q, w), kw = win(k, w), vw = win(v, w), gw = win(g, w), bw = win(beta, w);
+    DeltaFwdResult f = PC ? ::kda_chunk_fwd(qw, kw, vw, gw, bw, scale, h0s[w], std::nullopt)
+                          : ::gdn_chunk_fwd(qw, kw, vw, gw, bw, scale, h0s[w], std::nullopt);
+    h0s[w + 1] = std::get<1>(f);
+  }
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dg = at::empty(g.sizes(), f32), dbeta = at::empty(beta.sizes(), f32);
+  std::optional<at::Tensor> carry = dht;
+  for (int64_t w = nw - 1; w >= 0; --w) {
+    Shapes sw = s;
+    sw.T = static_cast<int>(len_of(w));
+    const int64_t t0 = t0_of(w);
+    DeltaBwdResult r = chunk_bwd_core<PC>(op, sw, win(q, w), win(k, w), win(v, w), win(g, w), win(beta, w), scale,
+                                          h0s[w], std::nullopt, win(grad_o, w), carry);
+    h0s[w].reset();
+    dq.narrow(1, t0, sw.T).copy_(std::get<0>(r));
+    dk.narrow(1, t0, sw.T).copy_(std::get<1>(r));
+    dv.narrow(1, t0, sw.T).copy_(std::get<2>(r));
+    dg.narrow(1, t0, sw.T).copy_(std::get<3>(r));
+    dbeta.narrow(1, t0, sw.T).copy_(std::get<4>(r));
+    carry = std::get<5>(r);
+  }
+  return {dq, dk, dv, dg, dbeta, *carry};
+}
+
+template <bool PC>
+DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& g, const at::Tensor& beta, double scale,
+                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
+                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
+  namespace cb = chunk_bwd;
+  const Shapes s = check_core(op, q, k, v, g, beta, cu, PC);
+  c10::cuda::CUDAGuard guard(q.device());
+  // the recurrent backward (exact) for K > 128, on request, and on devices without the shared memory of the
+  // chunked kernels' largest block (grad, kGradSmem ~226 KB: sm_90-class)
+  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1 ||
+      smem_optin() < static_cast<int>(cb::kGradSmem))
+    return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
+  TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
+              op, "] grad_o must be contiguous, shaped like v, with q's dtype");
+  std::optional<at::Tensor> dht;
+  if (grad_final_state.has_value() && grad_final_state->defined()) dht = *grad_final_state;
+  if (const int64_t tw = bwd_window_tokens(s, cu.has_value()); tw > 0)
+    return chunk_bwd_windows<PC>(op, s, tw, q, k, v, g, beta, scale, initial_state, grad_o, dht);
+  return chunk_bwd_core<PC>(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, dht);
 }
 
 // The backward in stages for context parallelism's relay (docs/context_parallel.md), same kernels and results as
@@ -462,7 +596,7 @@ std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, 
       return {dh0};
     }
     default: {
-      ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), p);
+      ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), bwd_dg_per_head<PC>(work), p);
       chunk_bwd_grad_stage<PC>(s, p, work, st);
       r.dh0 = at::empty({0}, q.options().dtype(at::kFloat));
       auto [dq, dk, dv, dg, dbeta, unused] = chunk_bwd_finish<PC>(s, q, k, r);
