@@ -1,0 +1,121 @@
+"""Memory model of the CUDA chunked backward (kernels_src/cuda/delta_chunk_bwd_host.cuh): every allocation of one
+public forward + backward (chunk_kda / chunk_gated_delta_rule with autograd, output_final_state=True), in bytes,
+as the host allocates them. Pure Python (no GPU): tests/test_cuda_chunk_bwd_mem.py bounds the measured peak by it,
+benchmarks/cuda/mem_chunk_bwd.py prints it next to the measurement, docs/cuda.md's table comes from `table()`.
+
+Peak "above the inputs" as benchmarks/cuda/bench_chunk_bwd.py's peak_above measures it: torch.cuda
+max_memory_allocated minus what was allocated before the call, so q, k, v, g, beta, grad_o and grad_final_state do
+not count; the forward's outputs (o, final_state: alive while backward runs) and the gradients returned (dq, dk,
+dv in the inputs' dtype, dg, dbeta fp32; dh0 fp32 is computed and dropped by autograd without an initial state)
+do. Fixed-length batches (N = B); V <= 128 (one column block); K <= 128 (the chunked path).
+"""
+import math
+
+CH, KP = 64, 128
+MiB = 2 ** 20
+
+
+def _r(n):  # the caching allocator rounds every block to 512 bytes
+    return (max(int(n), 1) + 511) // 512 * 512
+
+
+def work_bytes(B, T, HV, K, V):
+    """chunk_bwd_params' work list of one call (v2 state buffers, grad v3): name -> bytes."""
+    tokens, nc = B * T, max(B * math.ceil(T / CH), 1)
+    tile = nc * HV * CH * KP * 4
+    return {
+        "chunk_off": _r((B + 1) * 4),
+        "aqk [nc,HV,64,64]": _r(nc * HV * CH * CH * 4), "akk [nc,HV,64,64]": _r(nc * HV * CH * CH * 4),
+        "wc [nc,HV,64,128]": _r(tile), "kendc (then dKend)": _r(tile), "qgc (then dQG)": _r(tile),
+        "glc [nc,HV,128]": _r(nc * HV * KP * 4),
+        "u [T,HV,V]": _r(tokens * HV * V * 4), "U [T,HV,V]": _r(tokens * HV * V * 4),
+        "dU [T,HV,V]": _r(tokens * HV * V * 4),
+        "hs [nc,HV,K,V]": _r(nc * HV * K * V * 4), "dhs [nc,HV,K,V]": _r(nc * HV * K * V * 4),
+        "gdw [nc,HV,64,128]": _r(tile),
+        "unused (w, g3q, g3k, g3l)": 4 * _r(4),
+    }
+
+
+def block_peak(fam, B, T, H, HV, K, V, dt, free=True):
+    """Peak of one chunk_bwd_block + chunk_bwd_finish (bytes) and its parts. free=False: the session-7 host
+    (KDA_CUDA_CHUNK_BWD_FREE=0: outputs before the first stage, no work freed; GDN dg per channel)."""
+    w = work_bytes(B, T, HV, K, V)
+    tokens = B * T
+    dh0 = _r(B * HV * K * V * 4)
+    f32 = {"dq": _r(tokens * HV * K * 4), "dk": _r(tokens * HV * K * 4),
+           "dg": _r(tokens * HV * (K if fam == "kda" or not free else 1) * 4),
+           "dbeta": _r(tokens * HV * 4), "dv": _r(tokens * HV * V * dt)}
+    W = sum(w.values())
+    if not free:
+        at_vc = W + sum(f32.values()) + dh0
+        at_ch = at_vc
+    else:
+        at_vc = W + dh0  # grad3_vc: every work buffer alive, no output yet
+        dead = sum(w[n] for n in ("hs [nc,HV,K,V]", "dhs [nc,HV,K,V]", "U [T,HV,V]", "u [T,HV,V]", "dU [T,HV,V]",
+                                  "wc [nc,HV,64,128]"))
+        at_ch = W - dead + sum(f32.values()) + dh0
+    # finish: the fp32 results alive, the GVA sum (fp32 [T,H,K] when HV > H) and the cast outputs
+    outs = _r(tokens * H * K * dt)
+    gva = _r(tokens * H * K * 4) if HV != H else 0
+    at_finish = sum(f32.values()) + dh0 + 2 * outs + gva
+    return max(at_vc, at_ch, at_finish), dict(work=W, at_vc=at_vc, at_ch=at_ch, at_finish=at_finish, **f32)
+
+
+def fwd_ws_bytes(B, T, HV, V, ws_bf16=True):
+    d = 2 if ws_bf16 else 1
+    per = CH * KP + 2 * CH * KP // d + CH * CH // d + KP + CH * V  # WsLayout<128>::floats(V)
+    return _r(B * math.ceil(T / CH) * HV * per * 4)
+
+
+def window_tokens(B, T, HV, knob=None):
+    """bwd_window_tokens (host): knob None = unset (auto), 0 = off."""
+    if T <= CH:
+        return 0
+    if knob == 0:
+        return 0
+    tw = knob if knob else max(512, 65536 // (B * HV))
+    tw = max(CH, math.ceil(tw / CH) * CH)
+    if T <= tw:
+        return 0
+    nw = math.ceil(T / tw)
+    return math.ceil(math.ceil(T / nw) / CH) * CH
+
+
+def fwdbwd_peak(fam, B, T, H, HV, K, V, dt=2, window=None, free=True):
+    """Predicted peak above the inputs (bytes) of one public forward + backward, and its parts."""
+    o, ht = _r(B * T * HV * V * dt), _r(B * HV * K * V * 4)
+    fwd = o + ht + fwd_ws_bytes(B, T, HV, V)
+    tw = window_tokens(B, T, HV, window)
+    if tw == 0:
+        bp, parts = block_peak(fam, B, T, H, HV, K, V, dt, free)
+        return max(fwd, o + ht + bp), dict(forward=fwd, outputs_fwd=o + ht, block=bp, windows=0, **parts)
+    nw = math.ceil(T / tw)
+    outs = (2 * _r(B * T * H * K * dt) + _r(B * T * HV * V * dt) + _r(B * T * HV * (K if fam == "kda" else 1) * 4)
+            + _r(B * T * HV * 4))
+    states = (nw - 1) * ht + ht  # window-start states + the carried dh
+    bp, parts = block_peak(fam, B, tw, H, HV, K, V, dt, free)
+    win_in = 0 if B == 1 else (2 * B * tw * H * K * dt + 2 * B * tw * HV * V * dt
+                               + B * tw * HV * ((K if fam == "kda" else 1) + 1) * 4)  # narrow(1).contiguous() copies
+    peak = o + ht + outs + states + win_in + bp
+    return max(fwd, peak), dict(forward=fwd, outputs_fwd=o + ht, outputs_final=outs, states=states, window=tw,
+                                windows=nw, window_inputs=win_in, block=bp, **parts)
+
+
+def table(fam="kda", B=1, T=8192, H=16, HV=32, K=128, V=128):
+    """Markdown rows: every buffer of the backward at this shape (MiB) and the predicted peaks."""
+    rows = [f"| {n} | {b / MiB:.1f} |" for n, b in work_bytes(B, T, HV, K, V).items()]
+    old, po = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=False)
+    free, pf = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=True)
+    new, pn = fwdbwd_peak(fam, B, T, H, HV, K, V)
+    return rows, old / MiB, free / MiB, new / MiB, (po, pf, pn)
+
+
+if __name__ == "__main__":
+    for fam in ("kda", "gdn"):
+        for T in (8192, 32768):
+            rows, old, free, new, parts = table(fam, T=T)
+            print(f"{fam} T={T}: session7 {old:.0f} MiB, free-only {free:.0f}, windows+free {new:.0f}  "
+                  f"(window {parts[2].get('window')}, {parts[2]['windows']} windows)")
+            if T == 8192 and fam == "kda":
+                print("\n".join(rows))
+                print({k: round(v / MiB, 1) for k, v in parts[2].items() if isinstance(v, int) and v > 64})
