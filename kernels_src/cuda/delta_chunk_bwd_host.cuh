@@ -403,18 +403,20 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   chunk_bwd_state_fwd_stage<PC>(s, p, work, st);
   chunk_bwd_state_bwd_stage<PC>(s, p, work, st);
   // (freed tensors go back to the caching allocator in stream order: the kernels queued before still read them)
-  GradHook hook = [&](GradPoint at, chunk_bwd::Params& pp) {
-    if (at == kGradBeforeWy && lazy) {
+  GradHook hook = [&](GradPoint pt, chunk_bwd::Params& pp) {
+    if (pt == kGradBeforeWy && lazy) {
       work[kBwHs].reset(); work[kBwDhs].reset(); work[kBwU].reset();
     }
-    if (at == kGradBeforeCh && lazy) {
+    if (pt == kGradBeforeCh && lazy) {
       work[kBwU0].reset(); work[kBwDU].reset(); work[kBwWc].reset();
     }
     bwd_alloc_dv_dbeta(s, q, v, varlen, r, pp);
-    if (at != kGradBeforeWy) bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, pp);
+    if (pt != kGradBeforeWy) bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, pp);
   };
   chunk_bwd_grad_stage<PC>(s, p, work, st, hook);
-  if (!r.dq.defined()) r = bwd_alloc_grads(s, q, v, varlen, per_head, p);  // no grad launch (no chunks or heads)
+  // no grad launch (no chunks or no heads): the outputs still exist (each call allocates only what is missing)
+  bwd_alloc_dv_dbeta(s, q, v, varlen, r, p);
+  bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, p);
   return r;
 }
 
