@@ -36,14 +36,15 @@ def work_bytes(B, T, HV, K, V):
     }
 
 
-def block_peak(fam, B, T, H, HV, K, V, dt, free=True):
-    """Peak of one chunk_bwd_block + chunk_bwd_finish (bytes) and its parts. free=False: the session-7 host
-    (KDA_CUDA_CHUNK_BWD_FREE=0: outputs before the first stage, no work freed; GDN dg per channel)."""
+def block_peak(fam, B, T, H, HV, K, V, dt, free=True, dg_per_head=True):
+    """Peak of one chunk_bwd_block + chunk_bwd_finish (bytes) and its parts. free=False: outputs before the first
+    stage, no work freed (KDA_CUDA_CHUNK_BWD_FREE=0); dg_per_head=False: GDN's dg per channel [T,HV,K] (session 7,
+    or KDA_CUDA_CHUNK_BWD_CH=1)."""
     w = work_bytes(B, T, HV, K, V)
     tokens = B * T
     dh0 = _r(B * HV * K * V * 4)
     f32 = {"dq": _r(tokens * HV * K * 4), "dk": _r(tokens * HV * K * 4),
-           "dg": _r(tokens * HV * (K if fam == "kda" or not free else 1) * 4),
+           "dg": _r(tokens * HV * (K if fam == "kda" or not dg_per_head else 1) * 4),
            "dbeta": _r(tokens * HV * 4), "dv": _r(tokens * HV * V * dt)}
     W = sum(w.values())
     if not free:
@@ -81,19 +82,19 @@ def window_tokens(B, T, HV, knob=None):
     return math.ceil(math.ceil(T / nw) / CH) * CH
 
 
-def fwdbwd_peak(fam, B, T, H, HV, K, V, dt=2, window=None, free=True):
+def fwdbwd_peak(fam, B, T, H, HV, K, V, dt=2, window=None, free=True, dg_per_head=True):
     """Predicted peak above the inputs (bytes) of one public forward + backward, and its parts."""
     o, ht = _r(B * T * HV * V * dt), _r(B * HV * K * V * 4)
     fwd = o + ht + fwd_ws_bytes(B, T, HV, V)
     tw = window_tokens(B, T, HV, window)
     if tw == 0:
-        bp, parts = block_peak(fam, B, T, H, HV, K, V, dt, free)
+        bp, parts = block_peak(fam, B, T, H, HV, K, V, dt, free, dg_per_head)
         return max(fwd, o + ht + bp), dict(forward=fwd, outputs_fwd=o + ht, block=bp, windows=0, **parts)
     nw = math.ceil(T / tw)
     outs = (2 * _r(B * T * H * K * dt) + _r(B * T * HV * V * dt) + _r(B * T * HV * (K if fam == "kda" else 1) * 4)
             + _r(B * T * HV * 4))
     states = (nw - 1) * ht + ht  # window-start states + the carried dh
-    bp, parts = block_peak(fam, B, tw, H, HV, K, V, dt, free)
+    bp, parts = block_peak(fam, B, tw, H, HV, K, V, dt, free, dg_per_head)
     win_in = 0 if B == 1 else (2 * B * tw * H * K * dt + 2 * B * tw * HV * V * dt
                                + B * tw * HV * ((K if fam == "kda" else 1) + 1) * 4)  # narrow(1).contiguous() copies
     peak = o + ht + outs + states + win_in + bp
@@ -104,7 +105,7 @@ def fwdbwd_peak(fam, B, T, H, HV, K, V, dt=2, window=None, free=True):
 def table(fam="kda", B=1, T=8192, H=16, HV=32, K=128, V=128):
     """Markdown rows: every buffer of the backward at this shape (MiB) and the predicted peaks."""
     rows = [f"| {n} | {b / MiB:.1f} |" for n, b in work_bytes(B, T, HV, K, V).items()]
-    old, po = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=False)
+    old, po = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=False, dg_per_head=False)  # session 7
     free, pf = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=True)
     new, pn = fwdbwd_peak(fam, B, T, H, HV, K, V)
     return rows, old / MiB, free / MiB, new / MiB, (po, pf, pn)
