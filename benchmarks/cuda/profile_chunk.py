@@ -63,7 +63,24 @@ KNOB_SWEEPS = [
      "with plain tf32"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
      "1 grad3_ch_kernel, 2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance"),
+    ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,
+     "0 no windows (one call over the whole sequence, as session 7), N tokens per window; unset: about 65536 / (B * "
+     "HV), 2048 at B1 HV32 (the windowed backward also runs the chunked forward over all windows but the last)"),
+    ("--bwd-free", "KDA_CUDA_CHUNK_BWD_FREE", "bwd", "bwd_free", False,
+     "0 every output allocated before the first stage and no work freed early (session 7), 1 the default"),
 ]
+
+
+def peak_mib(fn):
+    """Peak of torch.cuda.max_memory_allocated above what was allocated before one call of fn (MiB; the inputs
+    do not count, the outputs do): bench_chunk_bwd.py's peak_above."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
 
 
 def main():
@@ -71,6 +88,8 @@ def main():
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
     ap.add_argument("--families", default="kda,gdn", help="comma-separated: kda, gdn")
     ap.add_argument("--phases", default="fwd,bwd", help="comma-separated: fwd, bwd")
+    ap.add_argument("--peak", action="store_true",
+                    help="also record each timed row's peak memory above the inputs (MiB) under FAMILY.peak_mib")
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
     ap.add_argument("--bwd-state-v1", action="store_true",
                     help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
@@ -101,6 +120,8 @@ def main():
     for family in args.families.split(","):
         fns = calls(ops, family, inputs(family, B, T, H, HV, K, V), K)
         res[family] = {phase: kernel_times(fn) for phase, fn in fns.items() if phase in phases}
+        if args.peak:
+            res[family]["peak_mib"] = {phase: peak_mib(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
         extra = [(family == "kda" or not kda_only, phase, f"{row}{x}", {env: x})
                  for opt, env, phase, row, kda_only, _ in KNOB_SWEEPS
@@ -114,6 +135,8 @@ def main():
             if flag and phase in phases:
                 with knobs_set(knobs):
                     res[family][name] = kernel_times(fns[phase])
+                    if args.peak:
+                        res[family]["peak_mib"][name] = peak_mib(fns[phase])
     print(json.dumps(res, indent=1))
 
 
