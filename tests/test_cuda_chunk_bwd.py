@@ -52,11 +52,14 @@ WY2_CASES = {
 }
 
 
-def _run(family, case, dtype, with_state=True):
+def _run(family, case, dtype, with_state=True, g_fill=None):
+    # g_fill: the -20 gates of an extreme case set to this value instead (e.g. -1e4: e^g = 0 exactly)
     spec = dict(CASES[case] if case in CASES else WY2_CASES[case])
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
+    if g_fill is not None:
+        g = torch.where(g == -20.0, torch.full_like(g, g_fill), g)
     N = q.shape[0] if cu is None else cu.numel() - 1
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     gen = torch.Generator().manual_seed(9)
@@ -360,3 +363,55 @@ def test_grad3_wy2_reference(family, case, dtype, monkeypatch):
         pytest.skip("the long case runs once per family (fp32, the tightest tolerance)")
     monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_WY", "2")
     _run(family, case, DTYPES[dtype])
+
+
+PREP4_VERSIONS = pytest.mark.parametrize("version", ["4", "5"], ids=["prep4_split8", "prep4"])
+
+
+@PREP4_VERSIONS
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "T200_correlated", "T1000", "gate_div_0.1",
+                                  "gate_div_10", "extreme_gates", "extreme_gates_mild", "extreme_gates_1e4", "gva_4x",
+                                  "varlen_empty", "odd_dims", "v256_blocks", "v200_blocks_varlen"])
+def test_kda_bwd_prep4_reference(case, dtype, version, monkeypatch):
+    # the KDA backward prep v4 (delta_chunk_bwd_prep4.cuh; KDA_CUDA_CHUNK_BWD_PREP=4 with the 8x8 split, =5 without;
+    # bf16/fp16 inputs only, fp32 runs the SIMT prep either way) with the other kernels at their defaults, against
+    # autograd through the float64 reference at DESIGN.md section 6 tolerances, with initial state and grad of the
+    # final state (as test_chunk_bwd). extreme_gates_1e4: extreme_gates' -20 gates at -1e4 (e^g = 0 exactly)
+    if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "extreme_gates_1e4", "varlen_empty", "gva_4x"):
+        pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", version)
+    if case == "extreme_gates_1e4":
+        _run("kda", "extreme_gates", DTYPES[dtype], g_fill=-1e4)
+    else:
+        _run("kda", case, DTYPES[dtype])
+    if case in ("random_T65", "varlen_empty"):
+        _run("kda", case, DTYPES[dtype], with_state=False)
+
+
+@PREP4_VERSIONS
+@pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
+                                  "T200_gates_50_rows", "T200_bf16", "T1000"])
+def test_kda_bwd_prep4_matches_prep3(case, version, monkeypatch):
+    # prep v4 against prep v3 (KDA_CUDA_CHUNK_BWD_PREP=3, set explicitly) in the whole backward, bf16 inputs, extreme
+    # gates (bwd_default_and_knob: 30 % at -20; T200_gates_1e4 at -1e4, T200_gates_50_rows at -50 plus whole
+    # tokens): both form every gate factor exactly and every product in 3xTF32 / fp32, so the fp32 outputs dg,
+    # dbeta, dh0 agree to 1e-4 (as PREP=2 vs 3 in test_chunk_bwd_grad_v1_matches_v2), dq, dk, dv to their bf16
+    # rounding; and the two really differ in rounding somewhere (the knob selects another kernel)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "3")
+    a, b = bwd_default_and_knob("kda", case, torch.bfloat16, 29, f"PREP={version}", monkeypatch)
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert torch.isfinite(x).all(), name
+        assert torch.isfinite(y).all(), name
+        assert_close(name, y.double().cpu(), x.double().cpu(), 1e-4 if name in ("dg", "dbeta", "dh0") else 0.008)
+    assert any(not torch.equal(x, y) for x, y in zip(a, b)), \
+        f"KDA_CUDA_CHUNK_BWD_PREP={version} gave bit-identical gradients: the knob had no effect?"
+
+
+def test_gdn_bwd_prep4_is_prep3(monkeypatch):
+    # GDN has no prep v4: KDA_CUDA_CHUNK_BWD_PREP=4 / 5 run its prep v3, bit for bit
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "3")
+    a, b = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=4", monkeypatch)
+    _, c = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=5", monkeypatch)
+    for name, x, y, z in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b, c):
+        assert torch.equal(x, y) and torch.equal(x, z), name

@@ -61,6 +61,9 @@ KNOB_SWEEPS = [
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it "
      "with plain tf32"),
+    ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
+     "2 the fp32 SIMT prep, 3 the tensor-core prep v3, the default for bf16/fp16 inputs, 4 the KDA prep v4 with the "
+     "8x8 split, 5 it without (GDN: 4 and 5 run prep v3)"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
      "1 grad3_ch_kernel, 2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance"),
     ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,

@@ -10,6 +10,7 @@
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_chunk_bwd_prep.cuh"
+#include "delta_chunk_bwd_prep4.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
 #include "delta_chunk_bwd_grad3_wy2.cuh"
@@ -186,6 +187,13 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     } else if (prep_mode == 2 || p.in_dtype == kF32) {
       cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    } else if (prep_mode == 4 || prep_mode == 5) {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3
+      constexpr size_t smem4 = cb::prep4_smem<PC>();
+      const bool bf = p.in_dtype == kBF16, s8 = prep_mode == 4;
+      auto kern = bf ? (s8 ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __nv_bfloat16, false>())
+                     : (s8 ? cb::prep4_kernel<PC, __half, true>() : cb::prep4_kernel<PC, __half, false>());
+      allow_dynamic_smem(kern, smem4, /*max_carveout=*/true);  // two blocks per SM
+      kern<<<gchunks, cb::NT, smem4, st>>>(p);
     } else {
       constexpr size_t prep3_smem = cb::prep3_smem<PC>();
       if (p.in_dtype == kBF16) cb::prep3_kernel<PC, __nv_bfloat16>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);

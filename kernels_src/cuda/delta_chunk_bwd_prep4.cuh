@@ -1,0 +1,365 @@
+// KDA prep v4 of the chunked backward (per-channel gate), bf16/fp16 inputs, opt-in: KDA_CUDA_CHUNK_BWD_PREP=4 (with
+// the 8x8 split of the diagonal blocks) or =5 (without); the default stays prep3_kda_kernel (=3,
+// delta_chunk_bwd_prep.cuh). GDN has no v4: 4 and 5 run its prep v3. Writes exactly what prep3_kda_kernel writes
+// (Params of delta_chunk_bwd.cuh; same buffers, layouts, padding), so the state and grad kernels are unchanged:
+//   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
+//   u = Diag(beta) T V, w = Diag(beta) T (K Gam) (wc padded, or p.w), T = (I + A_kk Diag(beta))^-1;
+//   v2: qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
+//
+// prep3 follows the forward's v1 prep (kda_chunk_prep.cuh); v4 follows its v2 (kda_chunk_prep2.cuh, 0.82 -> 0.57 ms
+// in the forward, session 7) with the backward's outputs:
+//   S1  a = e^g in place of the gates (one exponential per token and channel; prep3 took one per token, channel
+//       and pair in P1 and two per token in the build) and S_b = sub-chunk b's gate sum (float tree sum; prep3:
+//       double sums).
+//   build  F_t = prod_{16a <= i <= t} a_i, R_t = prod_{t < i <= 16a + 15} a_i (running products, 64-row tables),
+//       Pre_a = e^{sum_{b < a} S_b}, the cross factors e^{S_1}, e^{S_2}, e^{S_1 + S_2}; on the way (v2)
+//       Q Gam = q (Pre_a F_t), K Eend = k (Suf_a R_t) with Suf_a = e^{sum_{b > a} S_b}, and Gam_last =
+//       e^{S_0 + S_1 + S_2 + S_3} (one exponential of the chunk's gate sum, not a 64-factor product: the state
+//       stages compound it over the chunks).
+//   P2  the cross-sub-chunk tiles (3xTF32 m16n8k8, as prep3) over the 64-row factor tables.
+//   P1  in-sub-chunk pairs with a running product f <- f a_j walking j down from t (prep3: e^{running float sum}
+//       per pair), branch-free (rows outside the triangle keep f = 1; the result masks drop their sums).
+//   S2  X = K Gam = k Pre_a prod_{16a <= i <= t} a_i in place of a (prep3: e^{double prefix}).
+//   S3-S5 as prep3 (blocked inverse, 3xTF32 w and u).
+// SPLIT8 (=4): each 16x16 diagonal block in 8x8 quarters as the forward's split-8 variant: the lower-left quarter
+// (t in 16a+8..15, j in 16a..16a+7) on tensor cores (3xTF32) through the token m = 16a + 7, (x_t e^{G_t - G_m}) .
+// (k_j e^{G_m - G_j}), both factors running products within the half (a third 64-row table in the A_kk region
+// during the passes), q rows on top and k rows below in one 16x8 tile per sub-chunk (warps 0-3); CUDA cores only
+// for the two 8x8 triangles; the upper-right quarter of aqk / akk written as zeros.
+// Exactness: every factor is a product of at most 16 a_i <= 1 or the exponential of a direct sum of gates (<= 0
+// for log decays <= 0): never e^{-G}, every factor <= 1, gates of -1e4 give 0, never inf/NaN, no gate bound.
+// One block of 256 threads per (chunk, value head); shared memory KdaPrep2Smem<128> (~111 KB): two blocks per SM.
+#pragma once
+
+#include "delta_chunk_bwd_prep.cuh"
+#include "kda_chunk_prep2.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+namespace chunk_bwd {
+
+constexpr size_t kPrep4KdaSmem = KdaPrep2Smem<KP>::bytes;
+static_assert(2 * kPrep4KdaSmem <= 227 * 1024, "two prep v4 blocks per SM");
+
+template <typename T16, bool SPLIT8>
+__global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
+  using SM = KdaPrep2Smem<KP>;
+  constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
+  constexpr int NP = KP / kKdaPass;
+  static_assert(KP % kKdaPass == 0, "passes of 32 channels");
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + SM::r1);
+  float* Ts = reinterpret_cast<float*>(smem + SM::r1);
+  uint16_t* Ks = reinterpret_cast<uint16_t*>(smem + SM::r2);
+  uint16_t* Vs = reinterpret_cast<uint16_t*>(smem + SM::r2);
+  float* Gx = reinterpret_cast<float*>(smem + SM::gx);
+  float* Fs = reinterpret_cast<float*>(smem + SM::fb);  // [64][LDF]: F_t = e^{G_t - G_r}
+  float* Rf = Fs + CH * LDF;                            // [64][LDF]: R_t = e^{G_s - G_t}
+  float* Scr = reinterpret_cast<float*>(smem + SM::fb);
+  float* Ab = reinterpret_cast<float*>(smem + SM::ab);
+  float* Hs = Ab;  // SPLIT8, during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
+  static_assert(CH * LDF <= CH * kPrepLDA, "the half-block table fits in the A_kk region");
+  float* Tot = reinterpret_cast<float*>(smem + SM::tot);  // S_b
+  float* Pre = reinterpret_cast<float*>(smem + SM::pre);
+  float* Ex = reinterpret_cast<float*>(smem + SM::ex);
+  float* Bs = reinterpret_cast<float*>(smem + SM::bs);
+
+  ChunkPos cp;
+  const int hv = blockIdx.y;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x;
+  const int L = cp.Cc;
+  const int64_t tok0 = cp.row0;
+  const int h = hv / (p.HV / p.H);
+  const int K = p.K, V = p.V, HV = p.HV;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const size_t cbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  const bool v2 = p.qgc != nullptr;
+  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
+
+  // ---- S0: q, k, gates -> shared memory (cp.async, all in flight at once), beta
+  const uint16_t* qsrc = static_cast<const uint16_t*>(p.q) + (tok0 * p.H + h) * K;
+  const uint16_t* ksrc = static_cast<const uint16_t*>(p.k) + (tok0 * p.H + h) * K;
+  const uint16_t* vsrc = static_cast<const uint16_t*>(p.v) + (tok0 * HV + hv) * V;
+  const float* gsrc = p.g + (tok0 * HV + hv) * K;
+  const bool vec_qk = (K % 8) == 0 && ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k)) & 15) == 0;
+  const bool vec_g = (K % 4) == 0 && (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
+  const bool vec_v = (V % 8) == 0 && (reinterpret_cast<uintptr_t>(p.v) & 15) == 0;
+  gdn_stage<KP>(Qs, LDH, qsrc, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
+  gdn_stage<KP>(Ks, LDH, ksrc, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
+  kda_stage_gates<KP>(Gx, LDG, gsrc, static_cast<int64_t>(HV) * K, L, K, vec_g, tid);
+  if (tid < CH) Bs[tid] = tid < L ? __ldg(p.beta + (tok0 + tid) * HV + hv) : 0.f;
+  gdn_cp_async_wait_all();
+  __syncthreads();
+
+  // ---- S1: a = e^g in place (padding: g = 0, a = 1); Tot_b = the sum of the gates of sub-chunk b (float, a
+  //      pairwise tree: a direct sum, <= 0 for log decays <= 0)
+  for (int i = tid; i < 4 * KP; i += NT) {
+    const int c = i % KP, b = i / KP;
+    float* gcol = Gx + b * kSub * LDG + c;
+    float x[kSub], y[kSub];
+#pragma unroll
+    for (int u = 0; u < kSub; ++u) x[u] = y[u] = gcol[u * LDG];
+#pragma unroll
+    for (int u = 0; u < kSub; ++u) gcol[u * LDG] = __expf(x[u]);
+#pragma unroll
+    for (int w = 1; w < kSub; w <<= 1)
+#pragma unroll
+      for (int u = 0; u < kSub; u += 2 * w) y[u] += y[u + w];
+    Tot[b * KP + c] = y[0];
+  }
+  __syncthreads();
+
+  // P1 mapping: diagonal block of NB tokens from j0 (NB = 16: sub-chunk a1 = tid / 64; SPLIT8: NB = 8, the half
+  // (tid / 32) % 2 of sub-chunk a1), rows t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2),
+  // channel pairs c = 2 (8 ci + cg) + {0, 1} of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
+  constexpr int NB = SPLIT8 ? 8 : kSub, NH = NB / 2;
+  const int cg = lane & 7, a1 = tid >> 6;
+  const int rp = SPLIT8 ? (lane >> 3) : ((tid >> 3) & 7);
+  const int j0 = a1 * kSub + (SPLIT8 ? ((tid >> 5) & 1) * NB : 0), t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
+  float q1[NH], k1[NH], q2[NB], k2[NB];
+#pragma unroll
+  for (int jl = 0; jl < NB; ++jl) {
+    if (jl < NH) q1[jl % NH] = k1[jl % NH] = 0.f;
+    q2[jl] = k2[jl] = 0.f;
+  }
+  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
+  float acc2[3][4];                      // P2: tiles warp, warp + 8, warp + 16
+#pragma unroll
+  for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
+  // build mapping: channel bcl of the pass, sub-chunk ba, direction bdir
+  const int bcl = tid & 31, ba = (tid >> 5) & 3, bdir = tid >> 7;
+
+#pragma unroll 1
+  for (int pass = 0; pass < NP; ++pass) {
+    const int cp0 = pass * kKdaPass;
+    // ---- build: the factor tables of this pass's 32 channels; Q Gam, K Eend, Gam_last (v2) on the way
+    {
+      const int c = cp0 + bcl;
+      float tb[4];  // gate sums of the four sub-chunks
+#pragma unroll
+      for (int b = 0; b < 4; ++b) tb[b] = Tot[b * KP + c];
+      if (bdir == 0) {
+        float spre = 0.f;
+#pragma unroll
+        for (int b = 0; b < 3; ++b)
+          if (b < ba) spre += tb[b];
+        const float epre = __expf(spre);
+        Pre[ba * KP + c] = epre;
+        float P = 1.f, P8 = 1.f;
+#pragma unroll
+        for (int i = 0; i < kSub; ++i) {
+          const int t = ba * kSub + i;
+          const float at = Gx[t * LDG + c];
+          P *= at;
+          Fs[t * LDF + bcl] = P;
+          if (SPLIT8 && i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
+            P8 *= at;
+            Hs[t * LDF + bcl] = P8;
+          }
+          if (v2) p.qgc[cbase + t * KP + c] = f16(Qs[t * LDH + c]) * (epre * P);  // q e^{G_t}
+        }
+        // Gam_last: one exponential of the chunk's gate sum (padding: gates 0, so 1 past K)
+        if (ba == 3 && v2) p.glc[(static_cast<size_t>(cid) * HV + hv) * KP + c] = __expf(spre + tb[3]);
+      } else {
+        float ssuf = 0.f;
+#pragma unroll
+        for (int b = 1; b < 4; ++b)
+          if (b > ba) ssuf += tb[b];
+        const float esuf = __expf(ssuf);
+        float S = 1.f, S8 = 1.f;
+#pragma unroll
+        for (int i = kSub - 1; i >= 0; --i) {
+          const int t = ba * kSub + i;
+          const float at = Gx[t * LDG + c];
+          Rf[t * LDF + bcl] = S;
+          if (v2) p.kendc[cbase + t * KP + c] = f16(Ks[t * LDH + c]) * (esuf * S);  // k e^{G_last - G_t}
+          S *= at;
+          if (SPLIT8 && i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
+            Hs[t * LDF + bcl] = S8;
+            S8 *= at;
+          }
+        }
+        if (ba == 0) {
+          Ex[c] = __expf(tb[1]);
+          Ex[KP + c] = __expf(tb[2]);
+          Ex[2 * KP + c] = __expf(tb[1] + tb[2]);
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- P2: cross-sub-chunk tiles (3xTF32), rows of sub-chunk a (q or k, times e^{G_t - G_r}) x (k_j e^{G_s -
+    //      G_j} e^{G_r - G_s}), this pass's 32 channels
+#pragma unroll
+    for (int u = 0; u < 3; ++u) {
+      int a, mat, nt;
+      cross_tile(warp + 8 * u, a, mat, nt);
+      const int b = nt >> 1;
+      const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
+      const uint16_t* Xs = mat ? Ks : Qs;
+      const int ra = a * kSub + gq, jb = nt * 8 + gq;
+#pragma unroll
+      for (int s = 0; s < kKdaPass / 8; ++s) {
+        const int cl = s * 8 + t4, c = cp0 + cl;
+        const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
+                                      f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
+                                      f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
+                                      f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
+        float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
+        if (E != nullptr) {
+          b0 *= E[c];
+          b1 *= E[c + 4];
+        }
+        mma8<true>(acc2[u], af, b0, b1);
+      }
+    }
+
+    // ---- SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores (3xTF32), through
+    //      the token m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times e^{G_t - G_m}; columns
+    //      k_j e^{G_m - G_j} (j = 16a + gq): one 16x8 tile carries both products, every factor <= 1
+    if (SPLIT8 && warp < 4) {
+      const int r = warp * kSub + 8 + gq, jb = warp * kSub + gq;
+#pragma unroll
+      for (int s = 0; s < kKdaPass / 8; ++s) {
+        const int cl = s * 8 + t4, c = cp0 + cl;
+        const float h0 = Hs[r * LDF + cl], h1 = Hs[r * LDF + cl + 4];
+        const float4 af = make_float4(f16(Qs[r * LDH + c]) * h0, f16(Ks[r * LDH + c]) * h0,
+                                      f16(Qs[r * LDH + c + 4]) * h1, f16(Ks[r * LDH + c + 4]) * h1);
+        const float b0 = f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl];
+        const float b1 = f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4];
+        mma8<true>(accq, af, b0, b1);
+      }
+    }
+
+    // ---- P1: in-sub-chunk pairs, factor = running product of a_i from t down to j + 1
+#pragma unroll 1
+    for (int ci = 0; ci < kKdaPass / 16; ++ci) {
+      const int c = cp0 + 2 * (ci * 8 + cg);
+      const float2 qa = ld_pair16<T16>(Qs + t1 * LDH + c), ka = ld_pair16<T16>(Ks + t1 * LDH + c);
+      const float2 qb = ld_pair16<T16>(Qs + t2 * LDH + c), kb = ld_pair16<T16>(Ks + t2 * LDH + c);
+      float f1x = 1.f, f1y = 1.f, f2x = 1.f, f2y = 1.f;
+#pragma unroll
+      for (int jl = NB - 1; jl >= 0; --jl) {
+        const int j = j0 + jl;
+        const float2 aj = *reinterpret_cast<const float2*>(Gx + j * LDG + c);
+        const float2 kj = ld_pair16<T16>(Ks + j * LDH + c);
+        {  // row t2: terms with jl > NB - 1 - rp carry f = 1 and are dropped by the result mask
+          const float x0 = kj.x * f2x, x1 = kj.y * f2y;
+          q2[jl] = fmaf(qb.y, x1, fmaf(qb.x, x0, q2[jl]));
+          k2[jl] = fmaf(kb.y, x1, fmaf(kb.x, x0, k2[jl]));
+          const bool on = jl <= NB - 1 - rp;
+          f2x = on ? f2x * aj.x : f2x;
+          f2y = on ? f2y * aj.y : f2y;
+        }
+        if (jl < NH) {  // row t1 (t1 - j0 < NH): terms with jl > rp dropped likewise
+          const float x0 = kj.x * f1x, x1 = kj.y * f1y;
+          q1[jl % NH] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl % NH]));
+          k1[jl % NH] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl % NH]));
+          const bool on = jl <= rp;
+          f1x = on ? f1x * aj.x : f1x;
+          f1y = on ? f1y * aj.y : f1y;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- results: A_qk, A_kk row-major to global (P1: the diagonal blocks -- SPLIT8: their 8x8 diagonal quarters
+  //      -- incl. their zeros above the diagonal; P2: the blocks below; zeros above the diagonal blocks);
+  //      A_kk Diag(beta) to Ab (strictly lower)
+#pragma unroll
+  for (int jl = 0; jl < NB; ++jl) {
+    if (jl < NH) {
+      q1[jl % NH] = warp_sum_below<8>(q1[jl % NH]);
+      k1[jl % NH] = warp_sum_below<8>(k1[jl % NH]);
+    }
+    q2[jl] = warp_sum_below<8>(q2[jl]);
+    k2[jl] = warp_sum_below<8>(k2[jl]);
+  }
+#pragma unroll
+  for (int jl = 0; jl < NB; ++jl) {
+    if ((jl & 7) != cg) continue;
+    const int j = j0 + jl;
+    const float bj = Bs[j];
+    const float vq1 = (jl < NH && jl <= rp) ? q1[jl % NH] : 0.f, vk1 = (jl < NH && jl < rp) ? k1[jl % NH] : 0.f;
+    const float vq2 = jl <= NB - 1 - rp ? q2[jl] : 0.f, vk2 = jl < NB - 1 - rp ? k2[jl] : 0.f;
+    p.aqk[abase + t1 * CH + j] = vq1;
+    p.aqk[abase + t2 * CH + j] = vq2;
+    p.akk[abase + t1 * CH + j] = vk1;
+    p.akk[abase + t2 * CH + j] = vk2;
+    Ab[t1 * LDA + j] = vk1 * bj;
+    Ab[t2 * LDA + j] = vk2 * bj;
+  }
+  if constexpr (SPLIT8) {
+    {  // the upper-right 8x8 quarter of each diagonal block: zeros (aqk, akk; Ab's for tidiness, never read)
+      const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
+      const int t = a * kSub + r, j = a * kSub + 8 + cc;
+      p.aqk[abase + t * CH + j] = 0.f;
+      p.akk[abase + t * CH + j] = 0.f;
+      Ab[t * LDA + j] = 0.f;
+    }
+    if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
+      const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
+      *reinterpret_cast<float2*>(p.aqk + abase + t * CH + j) = make_float2(accq[0], accq[1]);
+      *reinterpret_cast<float2*>(p.akk + abase + t * CH + j) = make_float2(accq[2], accq[3]);
+      *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * Bs[j], accq[3] * Bs[j + 1]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < 3; ++u) {
+    int a, mat, nt;
+    cross_tile(warp + 8 * u, a, mat, nt);
+    const int r0 = a * kSub, c0 = nt * 8;
+    prep3_store_tile((mat ? p.akk : p.aqk) + abase + r0 * CH + c0, CH, acc2[u], 1.f, 1.f, gq, t4);
+    if (mat) prep3_store_tile(Ab + r0 * LDA + c0, LDA, acc2[u], Bs[c0 + 2 * t4], Bs[c0 + 2 * t4 + 1], gq, t4);
+  }
+  prep3_zero_upper(p, abase, tid);
+  __syncthreads();
+
+  // ---- S2: warps 0-3: diagonal blocks of T; warps 4-7: X = K Gam = k Pre_b prod a_i in place of a
+  prep_inverse_diag(Ab, Ts, warp, lane);
+  if (warp >= 4) {
+    for (int i = tid - 128; i < 4 * KP; i += 128) {
+      const int c = i % KP, b = i / KP;
+      float e = Pre[b * KP + c];
+#pragma unroll 4
+      for (int u = 0; u < kSub; ++u) {
+        const int t = b * kSub + u;
+        e *= Gx[t * LDG + c];
+        Gx[t * LDG + c] = f16(Ks[t * LDH + c]) * e;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- S3: v into k's tile (cp.async, lands during S3/S4); T_10, T_32
+  gdn_stage<kGdnVB>(Vs, kPrepLDV, vsrc, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
+  prep_inverse_sub1(Ab, Ts, Scr, warp, gq, t4);
+  __syncthreads();
+
+  // ---- S4: the lower-left 32x32 of T
+  prep_inverse_sub2(Ab, Ts, Scr, warp, gq, t4);
+  gdn_cp_async_wait_all();
+  __syncthreads();
+
+  // ---- S5: w = Diag(beta) T X, u = Diag(beta) T V
+  prep3_w_u<T16>(p, cp, hv, cbase, Ts, Vs, kPrepLDV, Bs, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+}
+
+// The family's prep v4 kernel (KDA; GDN has none and runs its prep v3) and its shared memory.
+template <bool PC, typename T16, bool SPLIT8>
+inline auto prep4_kernel() {
+  if constexpr (PC) return prep4_kda_kernel<T16, SPLIT8>;
+  else return prep3_gdn_kernel<T16>;
+}
+template <bool PC>
+constexpr size_t prep4_smem() {
+  return PC ? kPrep4KdaSmem : kPrep3GdnSmem;
+}
+
+}  // namespace chunk_bwd
+}  // namespace cuda
+}  // namespace kda_kernels

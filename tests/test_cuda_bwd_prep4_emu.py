@@ -1,0 +1,280 @@
+"""CPU emulation of the index math of the KDA backward prep v4 (kernels_src/cuda/delta_chunk_bwd_prep4.cuh,
+KDA_CUDA_CHUNK_BWD_PREP=4 with the 8x8 split of the diagonal blocks, =5 without).
+
+Replays thread by thread (lane by lane for the tensor-core fragments) what v4 writes: a = e^g in place and the
+sub-chunk gate sums (S1); per pass of 32 channels the build of the 64-row factor tables F / R (running products),
+Pre and the cross factors, with Q Gam, K Eend (row-major [64][KP]) and Gam_last stored on the way; P2 over the
+64-row tables; the split-8 lower-left quarter tile; the branch-free in-sub-chunk pairs (P1); the row-major A_qk /
+A_kk stores (P1 per element, the quarter tile, the zeros of the upper-right quarters, the P2 tiles, the zeros
+above the diagonal blocks) and A_kk Diag(beta) in shared memory; X = K Gam (S2). numpy float64, every output
+element written exactly once, against float64 formulas of DESIGN.md section 3 with per-channel gates
+(exponentials of direct gate sums), including gates of -20 and -1e4, K < 128 and short chunks. The blocked inverse
+and w / u are prep v3's (tests/test_cuda_chunk_bwd_prep_emu.py); tests/test_cuda_chunk_bwd.py and
+tests/test_cuda_stages.py check the CUDA code itself against prep v3 and the float64 reference.
+"""
+import numpy as np
+import pytest
+
+from test_cuda_kda_prep_emu import cross_tile
+
+C, SUB, PASS, KP = 64, 16, 32, 128
+
+
+def emu_bwd_prep4(q, k, g, beta, L, split8):
+    K = q.shape[1]
+    NP = KP // PASS
+    Qs, Ks, Gx = np.zeros((C, KP)), np.zeros((C, KP)), np.zeros((C, KP))
+    Qs[:L, :K], Ks[:L, :K], Gx[:L, :K] = q[:L], k[:L], g[:L]
+    Bs = np.zeros(C)
+    Bs[:L] = beta[:L]
+    qgc, kendc, glc = np.full(C * KP, np.nan), np.full(C * KP, np.nan), np.full(KP, np.nan)
+    aqk, akk = np.full(C * C, np.nan), np.full(C * C, np.nan)
+    Ab = np.full((C, C), np.nan)
+
+    def put(sec, i, x):
+        assert np.isnan(sec[i]), "element written twice"
+        sec[i] = x
+
+    # S1: a = e^g in place, Tot_b = the gate sum of sub-chunk b
+    Tot = np.full((4, KP), np.nan)
+    for i in range(4 * KP):
+        c, b = i % KP, i // KP
+        Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
+        Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
+    Pre, Ex = np.full((4, KP), np.nan), np.full((3, KP), np.nan)
+    NB = 8 if split8 else SUB
+    NH = NB // 2
+    q1 = np.zeros((256, NH)); k1 = np.zeros((256, NH)); q2 = np.zeros((256, NB)); k2 = np.zeros((256, NB))  # noqa: E702
+    acc2 = np.zeros((8, 3, 32, 4))
+    accq = np.zeros((4, 32, 4))
+
+    def p1_map(tid):
+        cg, a1 = tid & 7, tid >> 6
+        rp = ((tid & 31) >> 3) if split8 else ((tid >> 3) & 7)
+        j0 = a1 * SUB + (((tid >> 5) & 1) * NB if split8 else 0)
+        return cg, rp, j0, j0 + rp, j0 + NB - 1 - rp
+    for ps in range(NP):
+        cp0 = ps * PASS
+        Fs, Rf, Hs = np.full((C, PASS), np.nan), np.full((C, PASS), np.nan), np.full((C, PASS), np.nan)
+        for tid in range(256):  # build
+            bcl, ba, bdir = tid & 31, (tid >> 5) & 3, tid >> 7
+            c = cp0 + bcl
+            tb = Tot[:, c]
+            if bdir == 0:
+                spre = sum(tb[b] for b in range(3) if b < ba)
+                epre = np.exp(spre)
+                Pre[ba, c] = epre
+                P, P8 = 1.0, 1.0
+                for i in range(SUB):
+                    t = ba * SUB + i
+                    P *= Gx[t, c]
+                    Fs[t, bcl] = P
+                    if split8 and i >= 8:
+                        P8 *= Gx[t, c]
+                        Hs[t, bcl] = P8
+                    put(qgc, t * KP + c, Qs[t, c] * (epre * P))
+                if ba == 3:
+                    put(glc, c, np.exp(spre + tb[3]))
+            else:
+                esuf = np.exp(sum(tb[b] for b in range(1, 4) if b > ba))
+                S, S8 = 1.0, 1.0
+                for i in range(SUB - 1, -1, -1):
+                    t = ba * SUB + i
+                    Rf[t, bcl] = S
+                    put(kendc, t * KP + c, Ks[t, c] * (esuf * S))
+                    S *= Gx[t, c]
+                    if split8 and i < 8:
+                        Hs[t, bcl] = S8
+                        S8 *= Gx[t, c]
+                if ba == 0:
+                    Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
+        for warp in range(8):  # P2
+            for u in range(3):
+                a, mat, nt = cross_tile(warp + 8 * u)
+                b = nt >> 1
+                E = None if b == a - 1 else Ex[0 if a == 2 else (1 if b == 1 else 2)]
+                Xs = Ks if mat else Qs
+                for s in range(PASS // 8):
+                    At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
+                    for lane in range(32):
+                        gq, t4 = lane >> 2, lane & 3
+                        ra, jb = a * SUB + gq, nt * 8 + gq
+                        cl = s * 8 + t4
+                        c = cp0 + cl
+                        At[gq, t4] = Xs[ra, c] * Fs[ra, cl]
+                        At[gq + 8, t4] = Xs[ra + 8, c] * Fs[ra + 8, cl]
+                        At[gq, t4 + 4] = Xs[ra, c + 4] * Fs[ra, cl + 4]
+                        At[gq + 8, t4 + 4] = Xs[ra + 8, c + 4] * Fs[ra + 8, cl + 4]
+                        b0, b1 = Ks[jb, c] * Rf[jb, cl], Ks[jb, c + 4] * Rf[jb, cl + 4]
+                        if E is not None:
+                            b0, b1 = b0 * E[c], b1 * E[c + 4]
+                        Bt[t4, gq], Bt[t4 + 4, gq] = b0, b1
+                    assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
+                    D = At @ Bt
+                    for lane in range(32):
+                        gq, t4 = lane >> 2, lane & 3
+                        acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
+                                                D[gq + 8, 2 * t4 + 1])
+        for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
+            for s in range(PASS // 8):
+                At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    r, jb = warp * SUB + 8 + gq, warp * SUB + gq
+                    cl = s * 8 + t4
+                    c = cp0 + cl
+                    At[gq, t4], At[gq + 8, t4] = Qs[r, c] * Hs[r, cl], Ks[r, c] * Hs[r, cl]
+                    At[gq, t4 + 4], At[gq + 8, t4 + 4] = Qs[r, c + 4] * Hs[r, cl + 4], Ks[r, c + 4] * Hs[r, cl + 4]
+                    Bt[t4, gq], Bt[t4 + 4, gq] = Ks[jb, c] * Hs[jb, cl], Ks[jb, c + 4] * Hs[jb, cl + 4]
+                assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
+                D = At @ Bt
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
+        for tid in range(256):  # P1 (branch-free: f stays 1 outside the triangle)
+            cg, rp, j0, t1, t2 = p1_map(tid)
+            for ci in range(PASS // 16):
+                c = cp0 + 2 * (ci * 8 + cg)
+                cc = [c, c + 1]
+                f1, f2 = np.ones(2), np.ones(2)
+                for jl in range(NB - 1, -1, -1):
+                    j = j0 + jl
+                    aj, kj = Gx[j, cc], Ks[j, cc]
+                    x = kj * f2
+                    q2[tid, jl] += Qs[t2, cc] @ x
+                    k2[tid, jl] += Ks[t2, cc] @ x
+                    if jl <= NB - 1 - rp:
+                        f2 = f2 * aj
+                    if jl < NH:
+                        x = kj * f1
+                        q1[tid, jl] += Qs[t1, cc] @ x
+                        k1[tid, jl] += Ks[t1, cc] @ x
+                        if jl <= rp:
+                            f1 = f1 * aj
+
+    def sum8(x):  # warp_sum_below<8>
+        y = x.copy()
+        for m in (1, 2, 4):
+            y = y + y[np.arange(256) ^ m]
+        return y
+    q1, k1, q2, k2 = sum8(q1), sum8(k1), sum8(q2), sum8(k2)
+    for tid in range(256):  # results: P1
+        cg, rp, j0, t1, t2 = p1_map(tid)
+        for jl in range(NB):
+            if (jl & 7) != cg:
+                continue
+            j = j0 + jl
+            bj = Bs[j]
+            vq1 = q1[tid, jl % NH] if (jl < NH and jl <= rp) else 0.0
+            vk1 = k1[tid, jl % NH] if (jl < NH and jl < rp) else 0.0
+            vq2 = q2[tid, jl] if jl <= NB - 1 - rp else 0.0
+            vk2 = k2[tid, jl] if jl < NB - 1 - rp else 0.0
+            put(aqk, t1 * C + j, vq1)
+            put(aqk, t2 * C + j, vq2)
+            put(akk, t1 * C + j, vk1)
+            put(akk, t2 * C + j, vk2)
+            assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
+            Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
+    if split8:
+        for tid in range(256):  # upper-right quarters: zeros
+            a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
+            t, j = a * SUB + r, a * SUB + 8 + cc
+            put(aqk, t * C + j, 0.0)
+            put(akk, t * C + j, 0.0)
+            assert np.isnan(Ab[t, j])
+            Ab[t, j] = 0.0
+        for warp in range(4):  # the lower-left quarters from accq
+            for lane in range(32):
+                gq, t4 = lane >> 2, lane & 3
+                t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
+                put(aqk, t * C + j, accq[warp, lane, 0])
+                put(aqk, t * C + j + 1, accq[warp, lane, 1])
+                put(akk, t * C + j, accq[warp, lane, 2])
+                put(akk, t * C + j + 1, accq[warp, lane, 3])
+                assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
+                Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * Bs[j], accq[warp, lane, 3] * Bs[j + 1]
+    for warp in range(8):  # P2 tiles: prep3_store_tile
+        for u in range(3):
+            a, mat, nt = cross_tile(warp + 8 * u)
+            r0, c0 = a * SUB, nt * 8
+            for lane in range(32):
+                gq, t4 = lane >> 2, lane & 3
+                cv = acc2[warp, u, lane]
+                s0, s1 = Bs[c0 + 2 * t4], Bs[c0 + 2 * t4 + 1]
+                for e in range(4):
+                    r, cc = r0 + gq + 8 * (e >> 1), c0 + 2 * t4 + (e & 1)
+                    put(akk if mat else aqk, r * C + cc, cv[e])
+                    if mat:
+                        assert np.isnan(Ab[r, cc])
+                        Ab[r, cc] = cv[e] * (s0, s1)[e & 1]
+    for tid in range(256):  # prep3_zero_upper
+        for i in range(tid, C * C // 4, 256):
+            t, j = i // (C // 4), (i % (C // 4)) * 4
+            if j >= SUB * (t // SUB + 1):
+                for e in range(4):
+                    put(aqk, t * C + j + e, 0.0)
+                    put(akk, t * C + j + e, 0.0)
+    X = Gx.copy()  # S2 (warps 4-7): X = K Gam = k Pre_b prod(a) in place of a
+    seen = np.zeros((C, KP), bool)
+    for tid in range(128, 256):
+        for i in range(tid - 128, 4 * KP, 128):
+            c, b = i % KP, i // KP
+            e = Pre[b, c]
+            for u in range(SUB):
+                t = b * SUB + u
+                e *= Gx[t, c]
+                assert not seen[t, c]
+                seen[t, c] = True
+                X[t, c] = Ks[t, c] * e
+    assert seen.all()
+    return dict(aqk=aqk.reshape(C, C), akk=akk.reshape(C, C), qgc=qgc.reshape(C, KP), kendc=kendc.reshape(C, KP),
+                glc=glc, Ab=Ab, X=X)
+
+
+@pytest.mark.parametrize("split8", [False, True], ids=["prep5", "prep4_split8"])
+@pytest.mark.parametrize("K,L,gates", [(128, 64, "normal"), (128, 64, "extreme"), (64, 37, "extreme"),
+                                       (40, 64, "div10"), (128, 1, "normal"), (96, 50, "div0.1")])
+def test_bwd_prep4_against_float64(K, L, gates, split8):
+    rng = np.random.default_rng(K + 3 * L + len(gates))
+    q = rng.standard_normal((C, K)) / np.sqrt(K)
+    k = rng.standard_normal((C, K))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    g = np.log(1 / (1 + np.exp(-rng.standard_normal((C, K)))))
+    if gates == "extreme":
+        r = rng.uniform(size=(C, K))
+        g = np.where(r < 0.3, -20.0, np.where(r > 0.97, -1e4, g))
+    elif gates == "div10":
+        g = g / 10
+    elif gates == "div0.1":
+        g = g / 0.1
+    beta = rng.uniform(size=C)
+    with np.errstate(under="ignore"):
+        out = emu_bwd_prep4(q, k, g, beta, L, split8)
+    for name in ("aqk", "akk", "qgc", "kendc", "glc"):
+        assert not np.isnan(out[name]).any(), f"{name}: an element was never written"
+        assert np.isfinite(out[name]).all(), f"{name}: inf"
+    qz, kz, gz = np.zeros((C, KP)), np.zeros((C, KP)), np.zeros((C, KP))
+    qz[:L, :K], kz[:L, :K], gz[:L, :K] = q[:L], k[:L], g[:L]
+    bz = np.zeros(C)
+    bz[:L] = beta[:L]
+    G = np.cumsum(gz, axis=0)
+    Dc = np.zeros((C, C, KP))  # pair decay per channel: exp of the direct sum of the gates in between (j <= t)
+    with np.errstate(under="ignore"):
+        for t in range(C):
+            for j in range(t + 1):
+                Dc[t, j] = np.exp(gz[j + 1:t + 1].sum(axis=0))
+        Aqk = np.einsum("tc,jc,tjc->tj", qz, kz, Dc)  # zeros above the diagonal (Dc = 0 there)
+        Akk = np.tril(np.einsum("tc,jc,tjc->tj", kz, kz, Dc), -1)
+        suffix = np.exp(np.cumsum(gz[::-1], axis=0)[::-1] - gz)  # e^{sum of the gates after t}, direct sums
+        np.testing.assert_allclose(out["aqk"], Aqk, atol=1e-12, rtol=1e-9)
+        np.testing.assert_allclose(out["akk"], Akk, atol=1e-12, rtol=1e-9)
+        low = np.zeros((C, C), bool)  # what the inverse reads: strictly lower, within the block-lower part
+        for a in range(4):
+            low[a * SUB:(a + 1) * SUB, :(a + 1) * SUB] = True
+        low &= np.tri(C, C, -1, dtype=bool)
+        np.testing.assert_allclose(out["Ab"][low], (Akk * bz[None, :])[low], atol=1e-12, rtol=1e-9)
+        np.testing.assert_allclose(out["qgc"], qz * np.exp(G), atol=1e-12, rtol=1e-9)
+        np.testing.assert_allclose(out["kendc"], kz * suffix, atol=1e-12, rtol=1e-9)
+        np.testing.assert_allclose(out["glc"], np.exp(G[-1]), atol=1e-300, rtol=1e-9)
+        assert (out["glc"][K:] == 1).all()  # Gam_last is 1 past K
+        np.testing.assert_allclose(out["X"], kz * np.exp(G), atol=1e-12, rtol=1e-9)
