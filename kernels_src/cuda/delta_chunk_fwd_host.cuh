@@ -161,7 +161,8 @@ void launch_chunk_split_t(const ChunkFwdParams& p, const ChunkSplitWs& sw, int64
   auto scan = delta_chunk_scan4_kernel<KP, HB>;
   allow_dynamic_smem(scan, S::bytes);
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan4: workspace slices must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
   scan<<<grid, kScan4Threads, S::bytes, st>>>(p, sw);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (max_chunks <= 0) return;
