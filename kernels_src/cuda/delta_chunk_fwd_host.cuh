@@ -168,8 +168,9 @@ void launch_chunk_split_t(const ChunkFwdParams& p, const ChunkSplitWs& sw, int64
   if (max_chunks <= 0) return;
   auto out = delta_chunk_out_kernel<KP, HB>;
   allow_dynamic_smem(out, OutSmem<KP>::bytes);
-  const dim3 ogrid(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV),
-                   static_cast<unsigned>((sw.vp + kOutBV - 1) / kOutBV));
+  const int64_t ntile = (sw.vp + kOutBV - 1) / kOutBV;
+  TORCH_CHECK(max_chunks * ntile < (1LL << 31), "split forward: too many chunks");
+  const dim3 ogrid(static_cast<unsigned>(max_chunks * ntile), static_cast<unsigned>(p.HV));
   out<<<ogrid, kOutThreads, OutSmem<KP>::bytes, st>>>(p, sw);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

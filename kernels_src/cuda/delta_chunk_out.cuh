@@ -1,7 +1,7 @@
 // Split chunked forward, part 2 (KDA_CUDA_CHUNK_SCAN=5 / 6, off by default): delta_chunk_out_kernel, the output
 // of every chunk in parallel from the state-only scan's h_c and U_c (delta_chunk_scan4.cuh):
 //   o_c = q~_c h_c + A~_c U_c   (q~ = scale q e^G, A~ = scale A_qk Diag(beta): the prep's workspace, bf16)
-// Block (chunk slot, value head, 64 columns of V), 8 warps: warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of
+// Block (chunk slot x 64-column tile, value head), 8 warps: warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of
 // o for the 32 columns 32 wc .. 32 wc + 31 of the block's 64. h_c [KP x 64] and U_c [64 x 64] are staged in shared
 // memory as tf32 (fp32 storage: rounded as scan3 rounds its fp32 h and U; bf16 storage: exact); q~ and A~ A
 // fragments come straight from the workspace (bf16, m16n8k8 fragment order, exact in tf32); tf32 mma m16n8k8
@@ -25,11 +25,13 @@ struct OutSmem {
 };
 
 template <int KP, bool HB>
-__global__ void __launch_bounds__(kOutThreads) delta_chunk_out_kernel(const ChunkFwdParams p, const ChunkSplitWs sws) {
+__global__ void __launch_bounds__(kOutThreads, 4) delta_chunk_out_kernel(const ChunkFwdParams p, const ChunkSplitWs sws) {
   using S = OutSmem<KP>;
   constexpr int LDB = S::LDB;
   constexpr int NT = 4;  // 8-column tiles per warp (32 columns)
-  const int cid = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * kOutBV;
+  // blockIdx.x = chunk slot * column tiles + tile: the tiles of one (chunk, head) run side by side (q~, A~ from L2)
+  const int ntile = (sws.vp + kOutBV - 1) / kOutBV;
+  const int cid = blockIdx.x / ntile, hv = blockIdx.y, c0 = (blockIdx.x - cid * ntile) * kOutBV;
   int64_t tok0;
   int L;
   if (!chunk_coords(p, cid, tok0, L)) return;  // a slot past the last chunk (varlen)
@@ -92,13 +94,25 @@ __global__ void __launch_bounds__(kOutThreads) delta_chunk_out_kernel(const Chun
   for (int ks = 0; ks < kChunk / 8; ++ks)
     if (ks < 2 * wi + 2) kstep(a1, __ldg(sa + ks * 32), us, ks * 8);
 
+  // o: pairs of adjacent columns in one 4-byte store for bf16 / fp16 outputs with V even (rounding as store_in)
+  const bool pair = p.in_dtype != kF32 && (V & 1) == 0;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = wi * 16 + gq + (e >> 1) * 8;
-      const int c = c0 + cw + nt * 8 + 2 * t4 + (e & 1);
-      if (r < L && c < V) store_in(p.o, ((tok0 + r) * HV + hv) * V + c, p.in_dtype, a0[nt][e] + a1[nt][e]);
+    for (int h = 0; h < 2; ++h) {
+      const int r = wi * 16 + gq + h * 8;
+      const int c = c0 + cw + nt * 8 + 2 * t4;
+      const float x = a0[nt][2 * h] + a1[nt][2 * h], y = a0[nt][2 * h + 1] + a1[nt][2 * h + 1];
+      if (r >= L || c >= V) continue;
+      const int64_t i = ((tok0 + r) * HV + hv) * V + c;  // even when V is
+      if (pair && p.in_dtype == kBF16) {
+        reinterpret_cast<__nv_bfloat162*>(p.o)[i >> 1] = __floats2bfloat162_rn(x, y);
+      } else if (pair) {
+        reinterpret_cast<__half2*>(p.o)[i >> 1] = __floats2half2_rn(x, y);
+      } else {
+        store_in(p.o, i, p.in_dtype, x);
+        if (c + 1 < V) store_in(p.o, i + 1, p.in_dtype, y);
+      }
     }
 }
 
