@@ -18,6 +18,8 @@
 // Bulk-prefetch scan (delta_chunk_scan3_kernel; the default, KDA_CUDA_CHUNK_SCAN=4, where the workspace is bf16 and
 // the GPU sm_90+): kernel 2 with each chunk's w / q~ / k~^T / A~ brought into double-buffered shared memory by one
 // bulk copy ahead of use.
+// Split forward (KDA_CUDA_CHUNK_SCAN=5 / 6, off by default): the state-only scan delta_chunk_scan4.cuh and the
+// parallel output kernel delta_chunk_out.cuh.
 #pragma once
 
 #include "delta_common.cuh"
@@ -51,6 +53,7 @@ struct ChunkFwdParams {
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
   int scan3;          // 1: the bulk-prefetch scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4)
+  int scan_split;     // 1 / 2: the split scan4 + out kernels, fp32 / bf16 h_c and U_c (KDA_CUDA_CHUNK_SCAN=5 / 6)
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]

@@ -9,11 +9,16 @@
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
 // unset: 4 when its (sequence, head, 32 columns) blocks fit on the SMs at once, else 1 (see chunk_fwd_params below).
+// 5 / 6 (opt-in): the split forward where scan3 applies -- the state-only scan delta_chunk_scan4_kernel storing each
+// chunk's start state h_c and U = u0 - w h (5: fp32, 6: bf16) in a per-call buffer, then delta_chunk_out_kernel
+// computing every chunk's o = q~ h_c + A~ U_c in parallel (chunk_scan_run); elsewhere as 4.
 #pragma once
 
 #include <vector>
 
 #include "delta_chunk_fwd.cuh"
+#include "delta_chunk_out.cuh"
+#include "delta_chunk_scan4.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "kda_chunk_prep.cuh"
 #include "kda_chunk_prep2.cuh"
@@ -149,6 +154,32 @@ void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   else launch_chunk_scan<KP, 32, PRECISE>(p, st);
 }
 
+// The split forward (KDA_CUDA_CHUNK_SCAN=5 / 6): the state-only scan, then the output kernel over every chunk.
+template <int KP, bool HB>
+void launch_chunk_split_t(const ChunkFwdParams& p, const ChunkSplitWs& sw, int64_t max_chunks, cudaStream_t st) {
+  using S = Scan4Smem<KP>;
+  auto scan = delta_chunk_scan4_kernel<KP, HB>;
+  allow_dynamic_smem(scan, S::bytes);
+  TORCH_CHECK(p.ws_stride % 4 == 0, "scan4: workspace slices must be 16-byte aligned");
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
+  scan<<<grid, kScan4Threads, S::bytes, st>>>(p, sw);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (max_chunks <= 0) return;
+  auto out = delta_chunk_out_kernel<KP, HB>;
+  allow_dynamic_smem(out, OutSmem<KP>::bytes);
+  const int64_t ntile = (sw.vp + kOutBV - 1) / kOutBV;
+  TORCH_CHECK(max_chunks * ntile < (1LL << 31), "split forward: too many chunks");
+  const dim3 ogrid(static_cast<unsigned>(max_chunks * ntile), static_cast<unsigned>(p.HV));
+  out<<<ogrid, kOutThreads, OutSmem<KP>::bytes, st>>>(p, sw);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Where the split applies: the bulk-prefetch scan's range (bf16 workspace, V <= kScan3MaxV, sm_90+).
+inline bool chunk_split_applies(const ChunkFwdParams& p) {
+  return p.scan_split != 0 && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9;
+}
+
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
 template <bool PC>
 void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
@@ -170,6 +201,32 @@ inline void chunk_scan_dispatch(const ChunkFwdParams& p, cudaStream_t st) {
   } else {
     if (precise) run_chunk_scan<128, true>(p, st);
     else run_chunk_scan<128, false>(p, st);
+  }
+}
+
+// The scan stage of one call: the split forward (h_c / U_c buffers of this call, freed in stream order) where it
+// applies, else chunk_scan_dispatch. like: a tensor on the call's device.
+inline void chunk_scan_run(ChunkFwdParams p, const at::Tensor& like, int64_t max_chunks, cudaStream_t st) {
+  if (!chunk_split_applies(p)) {
+    chunk_scan_dispatch(p, st);
+    return;
+  }
+  const bool hb = p.scan_split == 2;
+  const int64_t KP = p.K <= 64 ? 64 : 128;
+  ChunkSplitWs sw{};
+  sw.vp = (p.V + 7) / 8 * 8;
+  const int64_t rows = std::max<int64_t>(max_chunks, 0) * p.HV * sw.vp;
+  auto opt = like.options().dtype(hb ? at::kBFloat16 : at::kFloat);
+  at::Tensor hc = at::empty({std::max<int64_t>(rows * KP, 1)}, opt);
+  at::Tensor uc = at::empty({std::max<int64_t>(rows * kChunk, 1)}, opt);
+  sw.hc = hc.data_ptr();
+  sw.uc = uc.data_ptr();
+  if (KP == 64) {
+    if (hb) launch_chunk_split_t<64, true>(p, sw, max_chunks, st);
+    else launch_chunk_split_t<64, false>(p, sw, max_chunks, st);
+  } else {
+    if (hb) launch_chunk_split_t<128, true>(p, sw, max_chunks, st);
+    else launch_chunk_split_t<128, false>(p, sw, max_chunks, st);
   }
 }
 
@@ -216,7 +273,8 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = scan_mode == 4 ? 1 : 0;  // see the top of this file
+  p.scan3 = (scan_mode == 4 || scan_mode == 5 || scan_mode == 6) ? 1 : 0;  // see the top of this file
+  p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
@@ -284,7 +342,7 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   p.h0 = h0; p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
   const int mc = static_cast<int>(max_chunks);
   chunk_prep_dispatch<PC>(p, mc, st);
-  chunk_scan_dispatch(p, st);
+  chunk_scan_run(p, q, max_chunks, st);
   return {o, ht};
 }
 
@@ -322,7 +380,7 @@ std::vector<at::Tensor> chunk_fwd_stage(const char* op, at::TensorList work_in, 
   at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
   p.h0 = chunk_fwd_h0(op, initial_state, q, ht);
   p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
-  chunk_scan_dispatch(p, st);
+  chunk_scan_run(p, q, max_chunks, st);
   return {o, ht};
 }
 

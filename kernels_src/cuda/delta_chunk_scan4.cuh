@@ -1,0 +1,245 @@
+// Split chunked forward, part 1 (KDA_CUDA_CHUNK_SCAN=5 / 6, off by default): the state-only scan
+// delta_chunk_scan4_kernel. Part 2, the parallel output kernel, is delta_chunk_out.cuh; host:
+// delta_chunk_fwd_host.cuh (chunk_scan_run). Math and workspace: delta_chunk_fwd.cuh (WsLayout).
+//
+// The bulk-prefetch scan (delta_chunk_scan3_kernel) computes, serially over a sequence's chunks, U = u0 - w h, the
+// output o = q~ h + A~ U and h <- Diag(decay) h + k~^T U. Only U and h depend on the previous chunk; o of chunk c
+// needs h_c (the state at the start of chunk c) and U_c alone. So this kernel runs only the recurrence and stores,
+// per (chunk, value head), h_c [KP x vp] and U_c [64 x vp] (row-major, vp = V rounded up to 8; fp32, or bf16 with
+// HB), and delta_chunk_out_kernel computes every chunk's o in parallel afterwards.
+// Per chunk step the loop reads w (fp32 fragments, 256 KP bytes), k~^T (bf16 fragments, 128 KP bytes) and the
+// decay (4 KP bytes): 48.5 KB at KP = 128 instead of scan3's 72.5 KB (no q~, no A~), with two barriers instead of
+// three (nothing reads h after U is formed, so h is rewritten right after the first barrier).
+// Same products as scan3 (tf32 mma m16n8k8, w and u0 fp32, h and U fp32 in shared memory): the final state is
+// scan3's up to fp32 summation order; the output path sees tf32(h_c), tf32(U_c) as scan3 does (fp32 storage) or
+// their bf16 roundings (HB).
+// Block (sequence, value head, 32 columns of V), 8 warps: warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of
+// U and rows [wi KP/4, (wi+1) KP/4) of h for the 16 columns 16 wc .. 16 wc + 15 of the block's 32. Two shared
+// buffers of the per-chunk operands, filled by cp.async.bulk (mbarrier complete_tx) two chunks ahead.
+#pragma once
+
+#include "delta_chunk_fwd.cuh"
+
+namespace kda_kernels {
+namespace cuda {
+
+// Where the split forward keeps h_c and U_c (allocated per call by the host).
+struct ChunkSplitWs {
+  void* hc;  // [chunk slot, HV, KP, vp]: the state at the start of each chunk (fp32, or bf16 when HB)
+  void* uc;  // [chunk slot, HV, 64, vp]: U = u0 - w h of each chunk
+  int vp;    // row length: V rounded up to a multiple of 8 (columns >= V hold zeros)
+};
+
+constexpr int kScan4Threads = 256;
+
+template <int KP>
+struct Scan4Smem {
+  static constexpr int BV = 32;
+  static constexpr int LDH = BV + 8;  // conflict-free B-fragment reads
+  static constexpr uint32_t w_bytes = kChunk * KP * 4;    // fp32 fragments
+  static constexpr uint32_t kg_bytes = kChunk * KP * 2;   // bf16 fragments
+  static constexpr uint32_t dec_bytes = KP * 4;
+  static constexpr uint32_t region = w_bytes + kg_bytes + dec_bytes;  // one buffer: w | k~^T | decay
+  static constexpr size_t hs_off = 2 * static_cast<size_t>(region);
+  static constexpr size_t us_off = hs_off + sizeof(float) * KP * LDH;
+  static constexpr size_t bar_off = us_off + sizeof(float) * kChunk * LDH;
+  static constexpr size_t bytes = bar_off + 2 * sizeof(uint64_t);
+  static_assert(w_bytes % 16 == 0 && kg_bytes % 16 == 0 && dec_bytes % 16 == 0, "bulk copies move 16-byte multiples");
+};
+
+// Two adjacent elements (i even) of an h_c / U_c row: fp32 or bf16.
+template <bool HB>
+__device__ __forceinline__ void split_put2(void* base, int64_t i, float x, float y) {
+  if constexpr (HB) reinterpret_cast<__nv_bfloat162*>(base)[i >> 1] = __floats2bfloat162_rn(x, y);
+  else reinterpret_cast<float2*>(base)[i >> 1] = make_float2(x, y);
+}
+
+template <int KP, bool HB>
+__global__ void __launch_bounds__(kScan4Threads, 1) delta_chunk_scan4_kernel(const ChunkFwdParams p,
+                                                                             const ChunkSplitWs sws) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = Scan4Smem<KP>;
+  constexpr int BV = S::BV;
+  constexpr int LDH = S::LDH;
+  constexpr int WC = BV / 2;   // columns per warp
+  constexpr int NT = WC / 8;   // 8-column tiles per warp
+  constexpr int MT = KP / 64;  // 16-row tiles of h per warp
+  constexpr uint32_t RB = S::region;
+  constexpr uint32_t kBulkMax = 16384;
+  const WsLayout<KP> WL(true);
+  extern __shared__ __align__(128) unsigned char smem4[];
+  float* hs = reinterpret_cast<float*>(smem4 + S::hs_off);
+  float* Us = reinterpret_cast<float*>(smem4 + S::us_off);
+  const uint32_t bar0 = smem_u32(smem4 + S::bar_off);  // buffer b's mbarrier: bar0 + 8 b
+
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wi = w & 3, wc = w >> 2;
+  const int cw = wc * WC;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int K = p.K, V = p.V, HV = p.HV, vp = sws.vp;
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
+  const int nch = (len + kChunk - 1) / kChunk;
+  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
+  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+
+  auto slot = [&](int ci) { return static_cast<int64_t>(c_first + ci) * HV + hv; };
+  auto chunk_ws = [&](int ci) { return p.ws + slot(ci) * p.ws_stride; };
+  auto issue = [&](int ci) {  // one thread per CTA: w (in pieces of at most kBulkMax bytes), k~^T, decay
+    const uint32_t dst = smem_u32(smem4 + (ci & 1) * RB), bar = bar0 + 8 * (ci & 1);
+    const char* src = reinterpret_cast<const char*>(chunk_ws(ci));
+    for (uint32_t b = 0; b < S::w_bytes; b += kBulkMax)
+      bulk_copy(dst + b, src + WL.w * 4 + b, min(kBulkMax, S::w_bytes - b), bar);
+    for (uint32_t b = 0; b < S::kg_bytes; b += kBulkMax)
+      bulk_copy(dst + S::w_bytes + b, src + WL.kg * 4 + b, min(kBulkMax, S::kg_bytes - b), bar);
+    bulk_copy(dst + S::w_bytes + S::kg_bytes, src + WL.decay * 4, S::dec_bytes, bar);
+  };
+
+  float hacc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
+      }
+  auto store_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+          hs[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
+        }
+  };
+  float u0r[NT][4];
+  auto load_u0 = [&](int ci) {
+    const float* ws = chunk_ws(ci);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        u0r[nt][e] = c < V ? __ldg(ws + WL.u + r * V + c) : 0.f;
+      }
+  };
+
+  if (tid == 0) {
+    mbar_init(bar0, 1);
+    mbar_init(bar0 + 8, 1);
+    mbar_init_fence();
+    if (nch > 0) mbar_arrive_expect_tx(bar0, RB);
+    if (nch > 1) mbar_arrive_expect_tx(bar0 + 8, RB);
+  }
+  store_h();
+  __syncthreads();  // mbarriers initialised; hs complete
+  if (tid == 0) {
+    if (nch > 0) issue(0);
+    if (nch > 1) issue(1);
+  }
+  if (nch > 0) load_u0(0);
+
+  const int wfi = wi * (KP / 8) * 32 + lane;           // this warp's w fragments
+  const int kfi = wi * MT * (kChunk / 8) * 32 + lane;  // k~^T
+  for (int ci = 0; ci < nch; ++ci) {
+    const int64_t sl = slot(ci);
+    // h_c, the state at the start of this chunk (columns < vp; those >= V are zero)
+    {
+      char* hc = reinterpret_cast<char*>(sws.hc) + sl * KP * vp * (HB ? 2 : 4);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int r = (wi * MT + mt) * 16 + gq;
+          const int c = v0 + cw + nt * 8 + 2 * t4;
+          if (c < vp) {
+            split_put2<HB>(hc, static_cast<int64_t>(r) * vp + c, hacc[mt][nt][0], hacc[mt][nt][1]);
+            split_put2<HB>(hc, static_cast<int64_t>(r + 8) * vp + c, hacc[mt][nt][2], hacc[mt][nt][3]);
+          }
+        }
+    }
+    const unsigned char* buf = smem4 + (ci & 1) * RB;
+    const float4* sw = reinterpret_cast<const float4*>(buf);                // fp32 float4 per tile-lane
+    const uint2* sk = reinterpret_cast<const uint2*>(buf + S::w_bytes);     // bf16 uint2 per tile-lane
+    const float* sd = reinterpret_cast<const float*>(buf + S::w_bytes + S::kg_bytes);
+    mbar_wait_parity(bar0 + 8 * (ci & 1), (ci >> 1) & 1);
+
+    // U = u0 - w h (two chains: even / odd k-steps)
+    float a0[NT][4], a1[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KP / 8; ks += 2) {
+      mma_row_tiles<false>(a0, sw[wfi + ks * 32], hs + cw, LDH, ks * 8, t4, gq);
+      mma_row_tiles<false>(a1, sw[wfi + (ks + 1) * 32], hs + cw, LDH, (ks + 1) * 8, t4, gq);
+    }
+    {
+      char* uc = reinterpret_cast<char*>(sws.uc) + sl * kChunk * vp * (HB ? 2 : 4);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = wi * 16 + gq;
+        const int cl = cw + nt * 8 + 2 * t4, c = v0 + cl;
+        float u[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) u[e] = u0r[nt][e] - (a0[nt][e] + a1[nt][e]);
+        Us[r * LDH + cl] = u[0];
+        Us[r * LDH + cl + 1] = u[1];
+        Us[(r + 8) * LDH + cl] = u[2];
+        Us[(r + 8) * LDH + cl + 1] = u[3];
+        if (c < vp) {
+          split_put2<HB>(uc, static_cast<int64_t>(r) * vp + c, u[0], u[1]);
+          split_put2<HB>(uc, static_cast<int64_t>(r + 8) * vp + c, u[2], u[3]);
+        }
+      }
+    }
+    if (ci + 1 < nch) load_u0(ci + 1);
+    __syncthreads();  // Us complete; every warp is done reading hs
+
+    // h <- Diag(decay) h + k~^T U
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float d0 = sd[(wi * MT + mt) * 16 + gq], d1 = sd[(wi * MT + mt) * 16 + gq + 8];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        hacc[mt][nt][0] *= d0;
+        hacc[mt][nt][1] *= d0;
+        hacc[mt][nt][2] *= d1;
+        hacc[mt][nt][3] *= d1;
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 8; ++ks)
+        mma_row_tiles<false>(hacc[mt], frag_unpack(sk[kfi + (mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8,
+                             t4, gq);
+    }
+    store_h();        // nothing reads hs between the barrier above and the one below
+    __syncthreads();  // hs complete for the next chunk; every warp is done with Us and buffer ci & 1
+    if (tid == 0 && ci + 2 < nch) {
+      mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
+      issue(ci + 2);
+    }
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
+      }
+#endif  // __CUDA_ARCH__ >= 900
+}
+
+}  // namespace cuda
+}  // namespace kda_kernels
