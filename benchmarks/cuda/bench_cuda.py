@@ -8,8 +8,8 @@
         # decode only, plus the memory-hint variants (SWEEP7 below) and elementwise copies of the state's size under
         # graphs (same-size ceilings)
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session8 --decode-only --sweep8 --batches 256
-        # decode only, plus session 8's A/B rows in the same run (SWEEP8 below: compiled-in hints vs the session-7
-        # run-time hint kernel, KDA_CUDA_DEC_FUSE=1) and the same-size copy ceilings
+        # decode only, plus session 8's A/B rows in the same run (SWEEP8 below: compiled-in hints vs the kernels with
+        # session 7's run-time hint tests, KDA_CUDA_DEC_FUSE=1) and the same-size copy ceilings
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
