@@ -309,12 +309,14 @@ def test_public_api_autograd_and_decode(family):
 # ------------------------------------------------------------------------------------------------ decode kernel
 # delta_decode_kernel (one token per sequence): every configuration (KDA_CUDA_DEC_CFG 0-3), the register and the
 # shared-memory variants (KDA_CUDA_DEC_STAGE=0: registers, 1: cp.async into shared memory, 2: the same with two
-# items per warp), with the default memory hints, and some with KDA_CUDA_DEC_HINT set (_h0: none; _h11: every hint:
-# evict-first loads, streaming stores, L2::256B prefetch), and the general kernel (KDA_CUDA_DECODE=0) for
-# comparison; K = V = 128 takes the fixed-shape kernels, other shapes the generic ones (registers only, whatever
-# KDA_CUDA_DEC_STAGE says).
+# items per warp), with the default memory hints (compiled in), some with KDA_CUDA_DEC_HINT set (the stage-1 kernels
+# that read the hints at run time; _h0: none; _h11: every hint: evict-first loads, streaming stores, L2::256B
+# prefetch), configurations 1-3 at stage 1 with KDA_CUDA_DEC_FUSE=1 (_f1: o from pass 1; cfg 0 has no fused kernel),
+# and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape kernels, other shapes
+# the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says; default hints).
 DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
-                + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage2_h11", "cfg3_stage0_h11"])
+                + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage1_h2", "cfg0_stage1_h3"]
+                + [f"cfg{c}_stage1_f1" for c in (1, 2, 3)])
 
 
 def _dec_env(monkeypatch, variant):
@@ -322,13 +324,14 @@ def _dec_env(monkeypatch, variant):
         monkeypatch.setenv("KDA_CUDA_DECODE", "0")
         return
     monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    cfg, stage, *hint = variant.split("_")
+    cfg, stage, *extra = variant.split("_")
     monkeypatch.setenv("KDA_CUDA_DEC_CFG", cfg[3:])
     monkeypatch.setenv("KDA_CUDA_DEC_STAGE", stage[5:])
-    if hint:
-        monkeypatch.setenv("KDA_CUDA_DEC_HINT", hint[0][1:])
-    else:
-        monkeypatch.delenv("KDA_CUDA_DEC_HINT", raising=False)
+    knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE"}
+    for name in knobs.values():
+        monkeypatch.delenv(name, raising=False)
+    for part in extra:
+        monkeypatch.setenv(knobs[part[0]], part[1:])
 
 
 def _decode_case(family, pool_dtype, v_first, B, K, V, seed, idx_kind="flat"):

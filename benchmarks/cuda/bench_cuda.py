@@ -7,6 +7,9 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session7 --decode-only --sweep7 --rep 50
         # decode only, plus the memory-hint variants (SWEEP7 below) and elementwise copies of the state's size under
         # graphs (same-size ceilings)
+    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session8 --decode-only --sweep8 --batches 256
+        # decode only, plus session 8's A/B rows in the same run (SWEEP8 below: compiled-in hints vs the kernels with
+        # session 7's run-time hint tests, KDA_CUDA_DEC_FUSE=1) and the same-size copy ceilings
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -74,14 +77,15 @@ def timed(fn, graphs=True, eager=True, rep=None):
 
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
-DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT")
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE")
 
 
 def _v7(name):
-    """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default)."""
+    """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default); 'f1' ->
+    KDA_CUDA_DEC_FUSE=1."""
     env = {}
     for part in name.split("_"):
-        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG"}
+        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG", "f": "KDA_CUDA_DEC_FUSE"}
         env[key[part[0]]] = part[1:]
     return name, env
 
@@ -92,6 +96,11 @@ def _v7(name):
 # multi-item stage 3 too, s3_* rows: slower everywhere, removed.)
 SWEEP7 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_h1", "s1_h3", "s1_h8", "s1_h11", "s2_h2")]
 SWEEP7_SMALL = 4
+# session 8: the hints are compiled in (no flag tests per state access); KDA_CUDA_DEC_HINT set runs the kernels that
+# read them at run time with session 7's flag tests: s1_h0 has session 7's fp32 default flags, s1_h2 its bf16/fp16
+# ones (each A/B against s1, the compiled-in default, in the same run). s1_f1: KDA_CUDA_DEC_FUSE=1 (o from pass 1,
+# one reduction round). s1_h1: evict-first loads (session 7's best bf16 row, within noise of h2).
+SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -107,6 +116,7 @@ def main():
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep7", action="store_true")
+    ap.add_argument("--sweep8", action="store_true", help="session 8's A/B rows (SWEEP8)")
     ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
     ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
     ap.add_argument("--batches", default="1,64,256")
@@ -138,7 +148,8 @@ def main():
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
     rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
     del x, y
-    if args.sweep7:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
+    sweep_ab = SWEEP8 if args.sweep8 else SWEEP7 if args.sweep7 else None
+    if sweep_ab:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
         for dt, nm in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             x = torch.randn(256 * 32 * 128 * 128, device=DEV).to(dt)
             y = torch.empty_like(x)
@@ -178,7 +189,7 @@ def main():
                 core = getattr(ops, f"{fam}_recurrent_fwd")
                 e, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None))
                 row("ours_core_fwd", e, gr, fp32_bytes)
-                if not args.sweep7:
+                if not sweep_ab:
                     api = kk.fused_recurrent_kda if kda else kk.fused_recurrent_gated_delta_rule
                     e, gr = timed(lambda: api(q, k, v, g, beta=beta, initial_state=h0, output_final_state=True))
                     row("ours_public_api", e, gr, fp32_bytes)
@@ -211,11 +222,11 @@ def main():
                         rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
                             graph_TBps=round(fp32_bytes / gr / 1e9, 3))
                     set_env({})
-                if args.sweep7:  # session-7 variants, CUDA graphs only
+                if sweep_ab:  # session-7 / session-8 variants, CUDA graphs only
                     pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
                              ("bf16_pool_vfirst", poolvf16, True, bf16_bytes),
                              ("fp32_pool_vfirst", poolvf, True, fp32_bytes))
-                    variants = SWEEP7 if B >= 256 else SWEEP7[:SWEEP7_SMALL]
+                    variants = sweep_ab if B >= 256 else sweep_ab[:SWEEP7_SMALL]
                     for vname, env in variants:
                         set_env(env)
                         _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False,

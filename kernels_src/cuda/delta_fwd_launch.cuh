@@ -18,7 +18,9 @@ void launch_fwd_one(const FwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <bool PC, bool VF, typename S, int CFG, int FIX, int STAGE>
+// HINT: compile-time memory hints (kDecHintRuntime: FwdParams::dec_flags at run time); FUSE: see delta_decode_kernel
+template <bool PC, bool VF, typename S, int CFG, int FIX, int STAGE,
+          int HINT = dec_default_hint(static_cast<int>(sizeof(S))), bool FUSE = false>
 void launch_dec_one(FwdParams p, cudaStream_t st) {
   constexpr int CW = dec_cw(VF, static_cast<int>(sizeof(S)), CFG);
   constexpr int WK = dec_wk(VF, static_cast<int>(sizeof(S)), CFG);
@@ -28,7 +30,8 @@ void launch_dec_one(FwdParams p, cudaStream_t st) {
   if (items == 0) return;
   constexpr int per_block = G::WI * (STAGE == 2 ? 2 : 1);
   const int64_t blocks = (items + per_block - 1) / per_block;
-  delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE><<<static_cast<unsigned>(blocks), 32 * G::NW, 0, st>>>(p);
+  delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE, HINT, FUSE>
+      <<<static_cast<unsigned>(blocks), 32 * G::NW, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -40,11 +43,32 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st);
 template <bool PC, bool VF, typename S>
 void launch_dec_generic(const FwdParams& p, int cfg, cudaStream_t st);
 template <bool PC, bool VF, typename S>
-void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st);
+void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStream_t st);
 
 #ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
+// var (DecChoice::var): kDecVarDefault: the default hints of the state dtype, compiled in; at stage 1 only (the
+// default stage), kDecVarRuntimeHint: hints read from FwdParams::dec_flags (session 7's flag tests), kDecVarFuse: FUSE
+// (cfg 1-3).
 template <bool PC, bool VF, typename S>
-void launch_dec_fixed(const FwdParams& p, int cfg, int stage, cudaStream_t st) {
+void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStream_t st) {
+  constexpr int DH = dec_default_hint(static_cast<int>(sizeof(S)));
+  if (stage == 1 && var == kDecVarRuntimeHint) {
+    switch (cfg) {
+      case 0: return launch_dec_one<PC, VF, S, 0, 128, 1, kDecHintRuntime>(p, st);
+      case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, kDecHintRuntime>(p, st);
+      case 2: return launch_dec_one<PC, VF, S, 2, 128, 1, kDecHintRuntime>(p, st);
+      default: return launch_dec_one<PC, VF, S, 3, 128, 1, kDecHintRuntime>(p, st);
+    }
+  }
+  // FUSE only where several warps share an item (cfg 1-3): with one warp per item (cfg 0) ptxas spilled 150-300
+  // bytes (K-first fp32 / bf16, compiled for sm_90a), so cfg 0 keeps the default kernel
+  if (stage == 1 && var == kDecVarFuse && cfg != 0) {
+    switch (cfg) {
+      case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, DH, true>(p, st);
+      case 2: return launch_dec_one<PC, VF, S, 2, 128, 1, DH, true>(p, st);
+      default: return launch_dec_one<PC, VF, S, 3, 128, 1, DH, true>(p, st);
+    }
+  }
   switch (cfg * 3 + stage) {
     case 0: return launch_dec_one<PC, VF, S, 0, 128, 0>(p, st);
     case 1: return launch_dec_one<PC, VF, S, 0, 128, 1>(p, st);
@@ -89,7 +113,7 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   const DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
   d.dec_flags = c.flags;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
-    launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, st);
+    launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, c.var, st);
   } else {
     launch_dec_generic<PC, VF, S>(d, c.cfg, st);
   }
@@ -133,7 +157,7 @@ void launch_fwd(FwdParams& p, int kmax, cudaStream_t st) {
 #define KDA_INSTANTIATE_LAUNCH_DEC_FIXED(VF, S)                                                            \
   namespace kda_kernels {                                                                                  \
   namespace cuda {                                                                                         \
-  template void launch_dec_fixed<true, VF, S>(const FwdParams&, int, int, cudaStream_t);                  \
-  template void launch_dec_fixed<false, VF, S>(const FwdParams&, int, int, cudaStream_t);                 \
+  template void launch_dec_fixed<true, VF, S>(const FwdParams&, int, int, int, cudaStream_t);             \
+  template void launch_dec_fixed<false, VF, S>(const FwdParams&, int, int, int, cudaStream_t);            \
   }                                                                                                        \
   }

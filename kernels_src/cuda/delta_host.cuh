@@ -152,14 +152,21 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // (benchmarks/results/cuda_decode_session2.json, H=16 HV=32 K=V=128, B in {1, 64, 256}, CUDA graphs): shared-memory
 // staging (1) everywhere; K-first fp32 (32 columns, 4 warps), K-first bf16/fp16 (32 columns, 2 warps), V-first
 // fp32 (8 columns, 1 warp), V-first bf16/fp16 (16 columns, 1 warp; 2 warps when few (sequence, head) pairs).
-// KDA_CUDA_DEC_HINT overrides the memory hints (FwdParams::dec_flags), a sum of kDecEvictFirstLoad (1),
-// kDecStreamStore (2), kDecPrefetch256 (8); default: streaming stores for 2-byte states (bf16/fp16 pools, KDA at
-// B=256 on the H200: 2.7 % faster K-first, 1.0 % V-first; benchmarks/results/cuda_decode_session7.json, rows
-// s1_h*), none for fp32 states (2 % slower there).
+// Memory hints (dec_default_hint, compiled into the kernels): streaming stores for 2-byte states (bf16/fp16 pools,
+// KDA at B=256 on the H200: 2.7 % faster K-first, 1.0 % V-first; benchmarks/results/cuda_decode_session7.json, rows
+// s1_h*), none for fp32 states (2 % slower there). KDA_CUDA_DEC_HINT (a sum of kDecEvictFirstLoad (1),
+// kDecStreamStore (2), kDecPrefetch256 (8)) runs the stage-1 K = V = 128 kernels that read the hints at run time
+// (FwdParams::dec_flags: session 7's flag tests per state access); other stages and shapes keep the
+// compiled-in default. KDA_CUDA_DEC_FUSE=1: the stage-1 K = V = 128 kernels with FUSE (o from pass 1, see
+// delta_decode_kernel; the default hints; KDA_CUDA_DEC_HINT is then ignored) for configurations 1-3 (several warps
+// per item: the K-first defaults; the one-warp cfg 0, the V-first default at large batches, keeps the default
+// kernel: FUSE spilled there).
+constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2;
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
-  int flags;  // FwdParams::dec_flags
+  int flags;  // FwdParams::dec_flags (read by the kernel only with var == kDecVarRuntimeHint)
+  int var;    // kDecVar*: which stage-1 K = V = 128 kernel (launch_dec_fixed)
 };
 
 inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
@@ -175,8 +182,8 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   const int stage = env_int("KDA_CUDA_DEC_STAGE", -1);
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
   const int hint = env_int("KDA_CUDA_DEC_HINT", -1);
-  c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256)
-                      : (esize == 2 ? kDecStreamStore : 0);
+  c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256) : dec_default_hint(esize);
+  c.var = env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse : hint >= 0 ? kDecVarRuntimeHint : kDecVarDefault;
   return c;
 }
 

@@ -43,13 +43,19 @@ struct FwdParams {
                                   // (decode kernel: 16-byte accesses; the launcher sets it)
   bool tvec;                      // decode kernel: q, k, g rows allow aligned 16-byte loads (K % 8 == 0)
   bool vvec;                      // decode kernel: v rows allow aligned 16-byte loads (V % 8 == 0)
-  int dec_flags;                  // decode kernel: memory hints kDec* below (the launcher sets it)
+  int dec_flags;                  // decode kernel with HINT = kDecHintRuntime: memory hints kDec* below
 };
 
-// decode kernel memory hints (FwdParams::dec_flags, KDA_CUDA_DEC_HINT)
+// decode kernel memory hints: delta_decode_kernel's template parameter HINT (a compile-time sum of the flags below,
+// so the default kernels carry no flag tests per state access), or HINT = kDecHintRuntime: read from
+// FwdParams::dec_flags at run time (session 7's flag tests, kept for A/B runs: KDA_CUDA_DEC_HINT, delta_host.cuh)
 constexpr int kDecEvictFirstLoad = 1;  // state copies (cp.async, STAGE 1/2) with an L2 evict-first cache policy
 constexpr int kDecStreamStore = 2;     // state stores st.global.cs (streaming, evict first)
 constexpr int kDecPrefetch256 = 8;     // state copies (STAGE 1/2) with the L2::256B prefetch-size qualifier
+constexpr int kDecHintRuntime = -1;
+// the default hints per state element size: streaming stores for bf16/fp16 states, none for fp32 (measured in
+// session 7, benchmarks/results/cuda_decode_session7.json)
+__host__ __device__ constexpr int dec_default_hint(int esize) { return esize == 2 ? kDecStreamStore : 0; }
 
 template <bool VF, int CW, int KMAX>
 struct FwdGeo {
@@ -333,7 +339,9 @@ __host__ __device__ constexpr int dec_wk(bool vf, int esize, int cfg) {
 }
 
 __device__ __forceinline__ float2 unpack_half2(uint32_t w, bool bf) {
-  if (bf) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  // bf16 -> fp32 is exact bit placement: low half shifted up, high half masked (one instruction each; the
+  // intrinsic __bfloat1622float2 took PRMT + shift for the high half)
+  if (bf) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
@@ -521,8 +529,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // One token per sequence (T == 1, no cu_seqlens; the host checks). FIX = 128: K = V = 128 and every access aligned
 // (the host checks), no ragged-edge code; FIX = 0: any K <= 128 and V. The new state is stored chunk by chunk
-// during the update sweep.
-template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE>
+// during the update sweep. HINT: memory hints (kDec* above, compile time; kDecHintRuntime: FwdParams::dec_flags).
+// FUSE (KDA_CUDA_DEC_FUSE): o from the old state in pass 1, o = scale (S^T (d * q) + (k . q) beta (v - p)), so that
+// the reductions of p and o share one round of shuffles and one barrier, and pass 2 only updates and stores S
+// (mathematically the same o; fp32 rounding differs).
+template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE>
 __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
                                   DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
     delta_decode_kernel(const FwdParams p) {
@@ -534,6 +545,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   __shared__ float red_p[IPW][WI][WK][CW];  // per item: a warp may write item 1's partials while another still
                                            // reads item 0's (the second barrier is arrive-only for warps > 0)
   __shared__ float red_o[WI][WK][CW];
+  __shared__ float red_q[FUSE ? IPW : 1][FUSE ? WI : 1][FUSE ? WK : 1][FUSE ? CW + 1 : 1];  // FUSE: o's, k.q
   __shared__ uint4 stage[STAGE ? NW : 1][IPW][STAGE ? NCH : 1][32];  // [chunk][lane]: conflict-free accesses
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -547,7 +559,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   const bool out_lane = wk == 0 && kg == 0;  // stores o for this lane's columns
   const int64_t head_elems = static_cast<int64_t>(K) * V;
   const int64_t row_elems = head_elems * HV;
-  const int flags = p.dec_flags;
+  const int flags = HINT == kDecHintRuntime ? p.dec_flags : HINT;  // a constant unless HINT == kDecHintRuntime
   const bool cs = (flags & kDecStreamStore) != 0;
 
   // item it of this warp group: (sequence n, value head hv, column slice sl); its state rows
@@ -595,6 +607,22 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       const Item& m = items[it];
       const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
       const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
+      if constexpr (full) {  // every chunk is whole: one test per item, not per chunk
+        if (live) {
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) {
+            if (flags & (kDecEvictFirstLoad | kDecPrefetch256))
+              cp_async16_hint(&stage[warp][it][c][lane], src + chunk_off(m.col0, c), flags);
+            else
+              cp_async16(&stage[warp][it][c][lane], src + chunk_off(m.col0, c));
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) stage[warp][it][c][lane] = make_uint4(0, 0, 0, 0);
+        }
+        cp_async_commit();
+        continue;
+      }
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
         void* sp = &stage[warp][it][c][lane];
@@ -628,6 +656,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       continue;
     }
     S* dst = m.out_row >= 0 ? reinterpret_cast<S*>(p.s_out) + m.out_row * row_elems + hv * head_elems : nullptr;
+    S* dst0 = dst + chunk_off(col0, 0);  // (used only when dst != nullptr)
 
     float s[STAGE ? 1 : TR][STAGE ? 1 : TC];
     if constexpr (STAGE == 0) {
@@ -677,47 +706,90 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       }
     };
 
-    // pass 1: p = (Diag(e^g) S)^T k
-    float pr[TC];
+    // pass 1: p = (Diag(e^g) S)^T k; FUSE: also S^T (d * q) and the lane's part of k . q (q is not needed after
+    // pass 1 then: qv becomes d * q in place)
+    float pr[TC], oa[TC], kq = 0.f;
+    if constexpr (FUSE) {
 #pragma unroll
-    for (int j = 0; j < TC; ++j) pr[j] = 0.f;
+      for (int i = 0; i < TR; ++i) {
+        kq = fmaf(kv[i], qv[i], kq);
+        qv[i] *= dv[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < TC; ++j) pr[j] = oa[j] = 0.f;
 #pragma unroll
     for (int c = 0; c < NCH; ++c) {
       float x[E];
       get_chunk(c, x);
       if constexpr (VF) {
 #pragma unroll
-        for (int i = 0; i < TR; ++i) pr[c] = fmaf(x[i], kv[i] * dv[i], pr[c]);
+        for (int i = 0; i < TR; ++i) {
+          pr[c] = fmaf(x[i], kv[i] * dv[i], pr[c]);
+          if (FUSE) oa[c] = fmaf(x[i], qv[i], oa[c]);
+        }
       } else {
         const float kd = kv[c] * dv[c];
 #pragma unroll
-        for (int j = 0; j < TC; ++j) pr[j] = fmaf(x[j], kd, pr[j]);
+        for (int j = 0; j < TC; ++j) {
+          pr[j] = fmaf(x[j], kd, pr[j]);
+          if (FUSE) oa[j] = fmaf(x[j], qv[c], oa[j]);
+        }
       }
     }
 #pragma unroll
-    for (int j = 0; j < TC; ++j) pr[j] = G::ksum(pr[j]);
+    for (int j = 0; j < TC; ++j) {
+      pr[j] = G::ksum(pr[j]);
+      if (FUSE) oa[j] = G::ksum(oa[j]);
+    }
+    if (FUSE) kq = G::ksum(kq);
     if constexpr (WK > 1) {
       float(*rp)[CW] = red_p[it][wi];
+      float(*rq)[FUSE ? CW + 1 : 1] = red_q[FUSE ? it : 0][FUSE ? wi : 0];
       if (kg == 0) {
 #pragma unroll
-        for (int j = 0; j < TC; ++j) rp[wk][vg * TC + j] = pr[j];
+        for (int j = 0; j < TC; ++j) {
+          rp[wk][vg * TC + j] = pr[j];
+          if (FUSE) rq[wk][vg * TC + j] = oa[j];
+        }
+        if (FUSE && vg == 0) rq[wk][FUSE ? CW : 0] = kq;
       }
       named_sync<0>(wi, 32 * WK);
 #pragma unroll
       for (int j = 0; j < TC; ++j) {
-        float acc = 0.f;
+        float acc = 0.f, acq = 0.f;
 #pragma unroll
-        for (int w = 0; w < WK; ++w) acc += rp[w][vg * TC + j];
+        for (int w = 0; w < WK; ++w) {
+          acc += rp[w][vg * TC + j];
+          if (FUSE) acq += rq[w][vg * TC + j];
+        }
         pr[j] = acc;
+        if (FUSE) oa[j] = acq;
+      }
+      if (FUSE) {
+        float acq = 0.f;
+#pragma unroll
+        for (int w = 0; w < WK; ++w) acq += rq[w][FUSE ? CW : 0];
+        kq = acq;
       }
     }
-    // pass 2: S = Diag(e^g) S + k (beta (v - p))^T, stored chunk by chunk; o = S^T q
-    float del[TC], ov[TC];
+    float del[TC];
 #pragma unroll
-    for (int j = 0; j < TC; ++j) {
-      del[j] = beta * (vv[j] - pr[j]);
-      ov[j] = 0.f;
+    for (int j = 0; j < TC; ++j) del[j] = beta * (vv[j] - pr[j]);
+    if constexpr (FUSE) {  // o = scale (S^T (d * q) + (k . q) del), written before the update sweep
+      if (out_lane) {
+        const int64_t ob = (tok * HV + hv) * V + col0;
+#pragma unroll
+        for (int j = 0; j < TC; ++j)
+          if (j < ncol) store_in(p.o, ob + j, dt, p.scale * fmaf(kq, del[j], oa[j]));
+      }
     }
+    // pass 2: S = Diag(e^g) S + k (beta (v - p))^T, stored chunk by chunk; o = S^T q unless FUSE. (A second copy of
+    // this loop without stores for dst == nullptr, instead of the test per chunk, made ptxas spill in the one-warp
+    // configurations: bf16 K-first cfg 0 116 bytes.)
+    float ov[TC];
+#pragma unroll
+    for (int j = 0; j < TC; ++j) ov[j] = 0.f;
 #pragma unroll
     for (int c = 0; c < NCH; ++c) {
       float x[E];
@@ -726,45 +798,53 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
 #pragma unroll
         for (int i = 0; i < TR; ++i) {
           x[i] = fmaf(x[i], dv[i], kv[i] * del[c]);
-          ov[c] = fmaf(x[i], qv[i], ov[c]);
+          if (!FUSE) ov[c] = fmaf(x[i], qv[i], ov[c]);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < TC; ++j) {
           x[j] = fmaf(x[j], dv[c], kv[c] * del[j]);
-          ov[j] = fmaf(x[j], qv[c], ov[j]);
+          if (!FUSE) ov[j] = fmaf(x[j], qv[c], ov[j]);
         }
       }
-      if (dst != nullptr) dec_store_state<S, E>(dst + chunk_off(col0, c), x, chunk_n(col0, c), vec, cs);
-    }
-#pragma unroll
-    for (int j = 0; j < TC; ++j) ov[j] = G::ksum(ov[j]);
-    if constexpr (WK > 1) {
-      // red_o is rewritten by the next item only after that item's first barrier, which warp 0 reaches after
-      // reading this item's partials
-      float(*ro)[CW] = red_o[wi];
-      if (kg == 0) {
-#pragma unroll
-        for (int j = 0; j < TC; ++j) ro[wk][vg * TC + j] = ov[j];
+      if (dst != nullptr) {
+        // full 2-byte states: one base pointer and constant chunk strides (ptxas recomputed each chunk's 64-bit
+        // address from the lane index for the bf16 streaming stores otherwise: 7 instructions per chunk, now 2; for
+        // fp32 states the same form made the hot kernel spill, and ptxas folds the offsets there by itself)
+        S* d = full && sizeof(S) == 2 ? dst0 + c * (VF ? K : V) : dst + chunk_off(col0, c);
+        dec_store_state<S, E>(d, x, chunk_n(col0, c), vec, cs);
       }
-      if (wk == 0) {
-        named_sync<1>(wi, 32 * WK);
+    }
+    if constexpr (!FUSE) {
 #pragma unroll
-        for (int j = 0; j < TC; ++j) {
-          float acc = 0.f;
+      for (int j = 0; j < TC; ++j) ov[j] = G::ksum(ov[j]);
+      if constexpr (WK > 1) {
+        // red_o is rewritten by the next item only after that item's first barrier, which warp 0 reaches after
+        // reading this item's partials
+        float(*ro)[CW] = red_o[wi];
+        if (kg == 0) {
 #pragma unroll
-          for (int w = 0; w < WK; ++w) acc += ro[w][vg * TC + j];
-          ov[j] = acc;
+          for (int j = 0; j < TC; ++j) ro[wk][vg * TC + j] = ov[j];
         }
-      } else {
-        named_arrive<1>(wi, 32 * WK);
-      }
-    }
-    if (out_lane) {
-      const int64_t ob = (tok * HV + hv) * V + col0;
+        if (wk == 0) {
+          named_sync<1>(wi, 32 * WK);
 #pragma unroll
-      for (int j = 0; j < TC; ++j)
-        if (j < ncol) store_in(p.o, ob + j, dt, p.scale * ov[j]);
+          for (int j = 0; j < TC; ++j) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WK; ++w) acc += ro[w][vg * TC + j];
+            ov[j] = acc;
+          }
+        } else {
+          named_arrive<1>(wi, 32 * WK);
+        }
+      }
+      if (out_lane) {
+        const int64_t ob = (tok * HV + hv) * V + col0;
+#pragma unroll
+        for (int j = 0; j < TC; ++j)
+          if (j < ncol) store_in(p.o, ob + j, dt, p.scale * ov[j]);
+      }
     }
   }
 }
