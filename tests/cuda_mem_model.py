@@ -69,12 +69,12 @@ def fwd_ws_bytes(B, T, HV, V, ws_bf16=True):
 
 
 def window_tokens(B, T, HV, knob=None):
-    """bwd_window_tokens (host): knob None = unset (auto), 0 = off."""
+    """bwd_window_tokens (host): knob None = unset = 0 = off, -1 = auto."""
     if T <= CH:
         return 0
-    if knob == 0:
+    if not knob or knob < -1:
         return 0
-    tw = knob if knob else max(512, 65536 // (B * HV))
+    tw = knob if knob > 0 else max(512, 65536 // (B * HV))
     tw = max(CH, math.ceil(tw / CH) * CH)
     if T <= tw:
         return 0
@@ -107,7 +107,7 @@ def table(fam="kda", B=1, T=8192, H=16, HV=32, K=128, V=128):
     rows = [f"| {n} | {b / MiB:.1f} |" for n, b in work_bytes(B, T, HV, K, V).items()]
     old, po = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=False, dg_per_head=False)  # session 7
     free, pf = fwdbwd_peak(fam, B, T, H, HV, K, V, window=0, free=True)
-    new, pn = fwdbwd_peak(fam, B, T, H, HV, K, V)
+    new, pn = fwdbwd_peak(fam, B, T, H, HV, K, V, window=-1)  # KDA_CUDA_CHUNK_BWD_WINDOW=-1 (auto size)
     return rows, old / MiB, free / MiB, new / MiB, (po, pf, pn)
 
 

@@ -4,8 +4,8 @@
 
 For each family (KDA, GDN), shape (MEM_SHAPES, default "1,8192,16,32;1,32768,16,32"; B,T,H,HV with K=V=128,
 bf16 q/k/v as bench_chunk_bwd.py) and variant (MEM_VARIANTS, ;-separated knob lists; default: the session-7
-allocation "KDA_CUDA_CHUNK_BWD_WINDOW=0,KDA_CUDA_CHUNK_BWD_FREE=0", freeing only "KDA_CUDA_CHUNK_BWD_WINDOW=0",
-the default (auto windows + freeing), windows of 1024 tokens): the peak of torch.cuda.max_memory_allocated above
+allocation "KDA_CUDA_CHUNK_BWD_FREE=0", the default (freeing, no windows), windows of the automatic size
+"KDA_CUDA_CHUNK_BWD_WINDOW=-1" and of 1024 tokens): the peak of torch.cuda.max_memory_allocated above
 the inputs over the forward alone, the backward core op alone and one public forward + backward (autograd,
 output_final_state=True), the model's prediction of the last, and the fwd+bwd time (CUDA events, eager, median
 of MEM_REPS=20 after 3 warm-ups). One JSON line per row on stdout. Per stage: the model's parts (work at
@@ -57,8 +57,8 @@ def main():
     kk = load_cuda_variant()
     shapes = [tuple(int(x) for x in s.split(",")) for s in
               os.environ.get("MEM_SHAPES", "1,8192,16,32;1,32768,16,32").split(";") if s]
-    variants = os.environ.get("MEM_VARIANTS", "KDA_CUDA_CHUNK_BWD_WINDOW=0,KDA_CUDA_CHUNK_BWD_FREE=0;"
-                              "KDA_CUDA_CHUNK_BWD_WINDOW=0;;KDA_CUDA_CHUNK_BWD_WINDOW=1024").split(";")
+    variants = os.environ.get("MEM_VARIANTS", "KDA_CUDA_CHUNK_BWD_FREE=0;;KDA_CUDA_CHUNK_BWD_WINDOW=-1;"
+                              "KDA_CUDA_CHUNK_BWD_WINDOW=1024").split(";")
     reps = int(os.environ.get("MEM_REPS", "20"))
     K = V = 128
     rows = []

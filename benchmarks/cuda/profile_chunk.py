@@ -58,19 +58,19 @@ KNOB_SWEEPS = [
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
-     "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 4 it "
-     "with plain tf32"),
+     "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
+     "bf16/fp16 inputs"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
-     "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, the default for bf16/fp16 inputs, 3 it "
-     "with plain tf32"),
+     "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
+     "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 3 the tensor-core prep v3, the default for bf16/fp16 inputs, 4 the KDA prep v4 with the "
-     "8x8 split, 5 it without (GDN: 4 and 5 run prep v3)"),
+     "2 the fp32 SIMT prep, 3 the tensor-core prep v3, 4 the KDA prep v4 with the 8x8 split, the default for "
+     "bf16/fp16 inputs, 5 it without (GDN: 4 and 5 run prep v3)"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
      "1 grad3_ch_kernel, 2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance"),
     ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,
-     "0 no windows (one call over the whole sequence, as session 7), N tokens per window; unset: about 65536 / (B * "
-     "HV), 2048 at B1 HV32 (the windowed backward also runs the chunked forward over all windows but the last)"),
+     "0 no windows, the default (one call over the whole sequence), N tokens per window, -1 about 65536 / (B * HV), "
+     "2048 at B1 HV32 (the windowed backward also runs the chunked forward over all windows but the last)"),
     ("--bwd-free", "KDA_CUDA_CHUNK_BWD_FREE", "bwd", "bwd_free", False,
      "0 every output allocated before the first stage and no work freed early (session 7), 1 the default"),
 ]

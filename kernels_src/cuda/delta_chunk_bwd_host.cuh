@@ -63,10 +63,11 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
     // dw is one more [chunks, HV, CH, KP] buffer.
     const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
-    // prep: v3 on tensor cores (default for bf16/fp16 inputs; delta_chunk_bwd_prep.cuh), the fp32 SIMT v2 with
-    // the forward substitution in registers (KDA_CUDA_CHUNK_BWD_PREP=2, and always for fp32 inputs) or v1 (=1);
-    // the older two kept to compare
-    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 3);
+    // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
+    // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3 for 4 and 5),
+    // 5 = v4 without the split (0.91), 3 = v3 on tensor cores (delta_chunk_bwd_prep.cuh), 2 = the fp32 SIMT v2
+    // with the forward substitution in registers (always for fp32 inputs), 1 = v1; the older ones kept to compare
+    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
     auto none = [&] { return at::empty({1}, f32); };
@@ -96,14 +97,18 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
-    // state_bwd: 3 = state_bwd3 on tensor cores with 3xTF32 products (default for bf16/fp16 inputs; 1.19 vs
-    // state_bwd2's 1.94 ms, same shape and session; delta_chunk_bwd_state_bwd3.cuh), 4 = it with plain tf32 (0.84 ms;
-    // kept to measure), 2 = the fp32 SIMT state_bwd2 (always for fp32 inputs)
-    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 3);
-    // grad3_vc (the contractions over V of grad v3): 2 = grad3_vc_tc on tensor cores with 3xTF32 products (default
-    // for bf16/fp16 inputs with V % 4 == 0; delta_chunk_bwd_grad3_vc_tc.cuh), 3 = it with plain tf32 (kept to
-    // measure), 1 = the fp32 SIMT grad3_vc (always for fp32 inputs)
-    c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 2);
+    // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
+    // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
+    // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
+    // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
+    // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
+    // fp32 inputs)
+    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
+    // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
+    // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
+    // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
+    // (always for fp32 inputs)
+    c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 3);
     c[kCfgCh] = env_int("KDA_CUDA_CHUNK_BWD_CH", 2);
     work[kBwCfg] = cfg;
   }
@@ -482,16 +487,19 @@ DeltaBwdResult chunk_bwd_core(const char* op, const Shapes& s, const at::Tensor&
 // forward over the windows before it, one extra forward pass) and its grad_final_state the dh0 of the window after
 // it; the window's gradients go into the slices of the outputs. Windows start at multiples of the chunk (64), so
 // the chunks are the unwindowed call's. KDA_CUDA_CHUNK_BWD_WINDOW: tokens per window (rounded up to a multiple of
-// 64; 0: no windows); unset: windows of about kBwdWindowTokenHeads / (B * HV) tokens (2048 at B1 HV32: ~385 MB of
-// work at K=V=128), at least 512, when T is longer. Fixed-length batches only (varlen runs unwindowed: its
-// windows would need cu_seqlens on the host). Returns the window length, 0 for none.
+// 64); -1: windows of about kBwdWindowTokenHeads / (B * HV) tokens (2048 at B1 HV32: ~385 MB of work at K=V=128),
+// at least 512, when T is longer; unset or 0: no windows. Off by default: the extra forward pass and the smaller
+// launches cost time (H200, B1 T8192 H16 HV32 K=V=128 bf16, fwd+bwd under graphs: KDA 6.38 -> 7.69 ms for a peak
+// of 1606 -> 716 MiB above the inputs; B4 T4096 H=HV=32: 12.4 -> 17.6 ms; session 8's candidate call). Fixed-length
+// batches only (varlen runs unwindowed: its windows would need cu_seqlens on the host). Returns the window length,
+// 0 for none.
 constexpr int64_t kBwdWindowTokenHeads = 65536;
 
 inline int64_t bwd_window_tokens(const Shapes& s, bool varlen) {
   namespace cb = chunk_bwd;
   if (varlen || s.B <= 0 || s.HV <= 0 || s.T <= cb::CH) return 0;
-  const int knob = env_int("KDA_CUDA_CHUNK_BWD_WINDOW", -1);
-  if (knob == 0) return 0;
+  const int knob = env_int("KDA_CUDA_CHUNK_BWD_WINDOW", 0);
+  if (knob == 0 || knob < -1) return 0;
   int64_t tw = knob > 0 ? knob : std::max<int64_t>(512, kBwdWindowTokenHeads / (static_cast<int64_t>(s.B) * s.HV));
   tw = std::max<int64_t>(cb::CH, (tw + cb::CH - 1) / cb::CH * cb::CH);
   if (s.T <= tw) return 0;
