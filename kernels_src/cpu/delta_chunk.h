@@ -227,6 +227,12 @@ constexpr int64_t SUB = 16;
 // C = 64 for K = V = 128; one 16-row block, so no sub-chunk GEMMs), heads taking turns every 256 tokens.
 constexpr int64_t GDN_CH = 16;
 constexpr int64_t GDN_TB = 256;
+// KDA_DEV_GDN_TB=n (a multiple of GDN_CH): the turn length for A/B measurements.
+inline int64_t gdn_turn() {
+  const char* e = std::getenv("KDA_DEV_GDN_TB");
+  const int64_t n = e ? std::atoll(e) : 0;
+  return n >= GDN_CH && n % GDN_CH == 0 ? n : GDN_TB;
+}
 
 struct ChunkBufs {
   int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
@@ -646,6 +652,7 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8), KVp = Kp * Vp;
   const float sc = static_cast<float>(scale);
   const int64_t grain = item_grain(seqs, KV);
+  const int64_t tb = gdn_turn();
   at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
@@ -665,8 +672,8 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         const Seq& s = seqs[n];
         float* states = scratch(cs.states, nh * KVp);
         for (int64_t j = 0; j < nh; ++j) state_in(h0p ? h0p + (g0 + j) * KV : nullptr, K, V, states + j * KVp, Kp, Vp);
-        for (int64_t t0 = 0; t0 < s.len; t0 += GDN_TB) {
-          const int64_t t1 = std::min(s.len, t0 + GDN_TB);
+        for (int64_t t0 = 0; t0 < s.len; t0 += tb) {
+          const int64_t t1 = std::min(s.len, t0 + tb);
           for (int64_t j = 0; j < nh; ++j)
             for (int64_t c0 = t0; c0 < t1; c0 += GDN_CH) {
               const int64_t hv = hv0 + j, Cc = std::min(GDN_CH, s.len - c0), Cp = round_up(Cc, SUB);
@@ -714,7 +721,7 @@ DeltaFwdResult chunk_fwd_entry(const char* op, const at::Tensor& q, const at::Te
                                const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu) {
   const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
   const auto seqs = make_seqs(d, cu);
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor o = empty_out({d.B, d.T, d.HV, d.V}, q.options());
   at::Tensor fin = at::empty({static_cast<int64_t>(seqs.size()), d.HV, d.K, d.V}, q.options().dtype(at::kFloat));
   dispatch_io(q.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
