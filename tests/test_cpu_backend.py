@@ -53,6 +53,9 @@ CASES = {
     "extreme":  (1, 130, 1, 2, 32, 64, None, True, "extreme"),
     "K128_noh0": (1, 130, 1, 1, 128, 128, None, False, "s1"),
     "const_m20": (1, 70, 1, 2, 16, 8, None, True, "const-20"),  # every token wipes the state: dg ~ 1e-9
+    # o and dv of 8.6 MiB: past the 8 MiB from which the outputs get huge pages (advise_huge), varlen with an
+    # empty and a short sequence, sequences crossing the GDN forward's 256-token head turns
+    "big_out":  (1, 1100, 1, 16, 16, 128, [0, 0, 5, 600, 1100], True, "s1"),
 }
 
 
@@ -147,7 +150,7 @@ def test_native_kernels_registered_and_ran(cpu):
 
 
 # bf16 (and fp16) run on a subset of the cases to keep the file fast
-DTYPE_CASES = [pytest.param(c, torch.float32, id=f"{c}-fp32") for c in CASES] + \
+DTYPE_CASES = [pytest.param(c, torch.float32, id=f"{c}-fp32") for c in CASES if c != "big_out"] + \
     [pytest.param(c, torch.bfloat16, id=f"{c}-bf16") for c in ("random", "varlen", "gva4_K100")] + \
     [pytest.param("random", torch.float16, id="random-fp16")]
 
@@ -180,6 +183,57 @@ def test_chunk_equals_recurrent(cpu, family):
     b = run_op(cpu, family, "recurrent", x, do, dsN)
     for n, ra, rb in zip(NAMES, a, b):
         assert rel_err(rb, ra) <= 1e-5, f"{n}: chunk vs recurrent {rel_err(rb, ra):.3g}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("thp", ["1", "0"])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_big_outputs_huge_pages(cpu, family, mode, thp, threads, monkeypatch):
+    """Outputs past 8 MB are asked for transparent huge pages before the kernel writes them (KDA_DEV_CPU_THP=0:
+    not): same results either way, against the float64 reference, 1 and 2 threads."""
+    monkeypatch.setenv("KDA_DEV_CPU_THP", thp)
+    x, do, dsN = make_case("big_out", family, torch.float32)
+    assert x["v"].numel() * 4 >= 8 * 2 ** 20  # o and dv are big enough to be advised (advise_huge: >= 8 MiB)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_op(cpu, family, mode, x, do, dsN)
+    finally:
+        torch.set_num_threads(n)
+    check_all(out, reference("big_out", family, torch.float32), torch.float32, f"{family} {mode} thp={thp}")
+
+
+@pytest.mark.parametrize("turn", ["16", "64", "4096"])
+def test_gdn_chunk_fwd_turn_knob(cpu, turn, monkeypatch):
+    """KDA_DEV_GDN_TB (A/B knob of the GDN forward's head-turn length): any multiple of 16 gives the reference."""
+    monkeypatch.setenv("KDA_DEV_GDN_TB", turn)
+    x, do, dsN = make_case("big_out", "gdn", torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"])
+    o, s = cpu.ops.gdn_chunk_fwd(*args)
+    ref = reference("big_out", "gdn", torch.float32)
+    assert rel_err(ref[0], o) <= TOL[torch.float32]["o"] and rel_err(ref[1], s) <= TOL[torch.float32]["state"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("turns,turn", [("1", ""), ("1", "64"), ("1", "128"), ("0", "")])
+def test_kda_chunk_fwd_turns_knob(cpu, turns, turn, threads, monkeypatch):
+    """The KDA chunked forward with heads taking turns (default; KDA_DEV_GDN_TB tokens rounded up to 64) and
+    prefetch of the next chunk, and the old order (KDA_DEV_KDA_TURNS=0); varlen with an empty and a short
+    sequence, 16 heads."""
+    monkeypatch.setenv("KDA_DEV_KDA_TURNS", turns)
+    if turn:
+        monkeypatch.setenv("KDA_DEV_GDN_TB", turn)
+    x, do, dsN = make_case("big_out", "kda", torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"])
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, s = cpu.ops.kda_chunk_fwd(*args)
+    finally:
+        torch.set_num_threads(n)
+    ref = reference("big_out", "kda", torch.float32)
+    assert rel_err(ref[0], o) <= TOL[torch.float32]["o"] and rel_err(ref[1], s) <= TOL[torch.float32]["state"]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -319,3 +373,62 @@ def test_public_api_grad_through_native(cpu):
     assert rel_err(ro, o) <= 1e-5 and rel_err(rs, s) <= 1e-5
     for n, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias"), grads, rgrads):
         assert rel_err(r, a) <= 1e-5, f"{n}: {rel_err(r, a):.3g}"
+
+
+def _anon_huge_kb(addr):
+    """AnonHugePages (kB) of the mapping of this process that holds addr (Linux /proc/self/smaps)."""
+    cur = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = lo <= addr < hi
+        elif cur and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_big_output_is_advised(cpu, thp, monkeypatch):
+    """With THP in "madvise" mode, a big output (o of a 64 MiB GDN forward) lands on huge pages, and not with
+    KDA_DEV_CPU_THP=0 (the check that advise_huge really runs: its effect cannot be seen in the values)."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no /sys/kernel/mm/transparent_hugepage (not Linux?)")
+    if "[madvise]" not in mode:
+        pytest.skip(f"transparent huge pages mode is not madvise: {mode.strip()}")
+    monkeypatch.setenv("KDA_DEV_CPU_THP", thp)
+    T, HV, K, V = 2048, 64, 16, 128  # o: 64 MiB (a fresh mmap: above glibc's 32 MiB threshold)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, T, HV, K, generator=gen)
+    k = F.normalize(torch.randn(1, T, HV, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(1, T, HV, generator=gen))
+    beta = torch.rand(1, T, HV, generator=gen)
+    o, _ = cpu.ops.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, None, None)
+    inner = (o.data_ptr() + 2 ** 21 - 1) & ~(2 ** 21 - 1)  # madvise splits the mapping: look inside the advised part
+    huge = _anon_huge_kb(inner)
+    if thp == "1" and huge == 0 and _huge_pages_now() == 0:
+        pytest.skip("the kernel gives no huge pages right now (fragmented memory?) even to a plain madvise")
+    assert (huge > 0) == (thp == "1"), f"AnonHugePages of o's mapping: {huge} kB with KDA_DEV_CPU_THP={thp}"
+
+
+def _huge_pages_now():
+    """AnonHugePages (kB) of a fresh 64 MiB anonymous mapping advised MADV_HUGEPAGE here and touched."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    m = mmap.mmap(-1, 64 << 20)
+    buf = ctypes.c_char.from_buffer(m)
+    try:
+        addr = ctypes.addressof(buf)
+        a, e = (addr + 2 ** 21 - 1) & ~(2 ** 21 - 1), (addr + (64 << 20)) & ~(2 ** 21 - 1)
+        libc.madvise(a, e - a, 14)  # MADV_HUGEPAGE
+        for off in range(0, 64 << 20, 4096):
+            m[off] = 1
+        return _anon_huge_kb(a)
+    finally:
+        del buf
+        m.close()

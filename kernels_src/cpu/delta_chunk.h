@@ -227,6 +227,12 @@ constexpr int64_t SUB = 16;
 // C = 64 for K = V = 128; one 16-row block, so no sub-chunk GEMMs), heads taking turns every 256 tokens.
 constexpr int64_t GDN_CH = 16;
 constexpr int64_t GDN_TB = 256;
+// KDA_DEV_GDN_TB=n (a multiple of GDN_CH): the turn length for A/B measurements.
+inline int64_t gdn_turn() {
+  const char* e = std::getenv("KDA_DEV_GDN_TB");
+  const int64_t n = e ? std::atoll(e) : 0;
+  return n >= GDN_CH && n % GDN_CH == 0 ? n : GDN_TB;
+}
 
 struct ChunkBufs {
   int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
@@ -582,9 +588,9 @@ inline void gdn_prep_chunk(ChunkBufs& b, int64_t Cp, GdnRows& r) {
 // GDN (!PC): two passes over S, each with its row scalings in the GEMM's store: [K; Q] S0 in one pass (u =
 // Gam (K S0), o = scale Gam (Q S0)), then S <- Gam_last S + (K Eend)^T U. pf(i, n) is called after each of
 // the n column panels of the two passes (i = 0 .. n-1): the driver prefetches the next chunk's rows there, a
-// few at a time (a burst of them stalls on the core's miss buffers). The KDA path does not prefetch: its
-// prefetch compiled to nothing before session 7 (see prefetch_bytes), and a working one (three bursts per
-// 64-token chunk) measured mixed on the loaded VM (slower at T = 512, faster at T = 4096), so it stays off.
+// few at a time (a burst of them stalls on the core's miss buffers). The KDA path calls pf(i, 4) after each of
+// its four steps (session 7 measured a KDA prefetch without head turns as mixed; with the turns, session 8
+// measured 0.8x the time per token).
 struct NoPf {
   void operator()(int64_t, int64_t) const {}
 };
@@ -622,9 +628,13 @@ inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* 
               [&](int64_t p) { pf(np + p, 2 * np); });
   } else {
     prep_chunk_a(b, Cp);
+    pf(0, 4);
     gemm<false>(Cp, Vp, Kp, 1.f, b.kg, Kp, 1, S, Vp, b.u, Vp);
+    pf(1, 4);
     if (o) gemm<false>(Cp, Vp, Kp, sc, b.qg, Kp, 1, S, Vp, o, Vp);  // o = scale (Q Gam) S0; A_qk U added below
+    pf(2, 4);
     residual_solve_intra();
+    pf(3, 4);
     chunk_state(b, Cp, S);
   }
 }
@@ -646,6 +656,13 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t Kp = round_up(K, 8), Vp = round_up(V, 8), KVp = Kp * Vp;
   const float sc = static_cast<float>(scale);
   const int64_t grain = item_grain(seqs, KV);
+  // KDA: the same head turns and prefetch of the next chunk (four bursts per 64-token chunk), session 8:
+  // interleaved A/B 1 thread 0.81x / 0.78x the time per token at T = 512 / 4096, bit-identical results.
+  // KDA_DEV_KDA_TURNS=0: the old order (each head through its whole sequence, no prefetch).
+  const char* kt = std::getenv("KDA_DEV_KDA_TURNS");
+  const bool kda_turns = PC && !(kt && kt[0] == '0');
+  constexpr int64_t CL = PC ? CH : GDN_CH;
+  const int64_t tb = PC ? round_up(gdn_turn(), CH) : gdn_turn();
   at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
@@ -656,33 +673,34 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         store_row_stream(op + (row * d.HV + hv) * V, b.o + i * Vp, V);
       }
     };
-    if constexpr (!PC) {
-      // GDN: chunks of GDN_CH tokens; the thread's heads of one sequence take turns every GDN_TB tokens, so the
-      // pages of a block's rows (one per token and tensor: rows of one head are H*K elements apart) are shared
-      // by all of them instead of each head walking its own pages through the whole sequence.
+    if (!PC || kda_turns) {
+      // Chunks of CL tokens (GDN: GDN_CH, KDA: CH); the thread's heads of one sequence take turns every tb
+      // (GDN_TB) tokens, so the pages of a block's rows (one per token and tensor: rows of one head are H*K
+      // elements apart) are shared by all of them instead of each head walking its own pages through the
+      // whole sequence.
       for (int64_t g0 = begin; g0 < end;) {
         const int64_t n = g0 / d.HV, g1 = std::min(end, (n + 1) * d.HV), hv0 = g0 - n * d.HV, nh = g1 - g0;
         const Seq& s = seqs[n];
         float* states = scratch(cs.states, nh * KVp);
         for (int64_t j = 0; j < nh; ++j) state_in(h0p ? h0p + (g0 + j) * KV : nullptr, K, V, states + j * KVp, Kp, Vp);
-        for (int64_t t0 = 0; t0 < s.len; t0 += GDN_TB) {
-          const int64_t t1 = std::min(s.len, t0 + GDN_TB);
+        for (int64_t t0 = 0; t0 < s.len; t0 += tb) {
+          const int64_t t1 = std::min(s.len, t0 + tb);
           for (int64_t j = 0; j < nh; ++j)
-            for (int64_t c0 = t0; c0 < t1; c0 += GDN_CH) {
-              const int64_t hv = hv0 + j, Cc = std::min(GDN_CH, s.len - c0), Cp = round_up(Cc, SUB);
-              load_chunk<T, false, false>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
+            for (int64_t c0 = t0; c0 < t1; c0 += CL) {
+              const int64_t hv = hv0 + j, Cc = std::min(CL, s.len - c0), Cp = round_up(Cc, SUB);
+              load_chunk<T, PC, PC>(qp, kp, vp, gp, bp, d, s, hv, c0, Cc, Cp, b);
               // the next chunk in this order: this head's next one in the block, else the next head's first,
               // else the first head's first of the next block
-              int64_t nhv = hv, nc0 = c0 + GDN_CH;
+              int64_t nhv = hv, nc0 = c0 + CL;
               if (nc0 >= t1) {
                 nhv = j + 1 < nh ? hv + 1 : hv0;
                 nc0 = j + 1 < nh ? t0 : t1;
               }
               auto pf = [&](int64_t i, int64_t parts) {
                 if (nc0 < s.len)
-                  prefetch_chunk<T, false>(qp, kp, vp, gp, d, s, nhv, nc0, i * GDN_CH / parts, (i + 1) * GDN_CH / parts);
+                  prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, nhv, nc0, i * CL / parts, (i + 1) * CL / parts);
               };
-              chunk_fwd_core<false>(b, Cp, sc, states + j * KVp, b.o, pf);
+              chunk_fwd_core<PC>(b, Cp, sc, states + j * KVp, b.o, pf);
               store_o(s, hv, c0, Cc);
             }
         }
@@ -714,7 +732,7 @@ DeltaFwdResult chunk_fwd_entry(const char* op, const at::Tensor& q, const at::Te
                                const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu) {
   const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
   const auto seqs = make_seqs(d, cu);
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor o = empty_out({d.B, d.T, d.HV, d.V}, q.options());
   at::Tensor fin = at::empty({static_cast<int64_t>(seqs.size()), d.HV, d.K, d.V}, q.options().dtype(at::kFloat));
   dispatch_io(q.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);

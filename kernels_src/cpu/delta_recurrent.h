@@ -232,7 +232,7 @@ DeltaFwdResult recurrent_fwd_entry(const char* op, const at::Tensor& q, const at
                                     const std::optional<at::Tensor>& h0, const std::optional<at::Tensor>& cu) {
   const Dims d = check_inputs(op, PC, q, k, v, g, beta, h0, cu);
   const auto seqs = make_seqs(d, cu);
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor o = empty_out({d.B, d.T, d.HV, d.V}, q.options());
   at::Tensor fin = at::empty({static_cast<int64_t>(seqs.size()), d.HV, d.K, d.V}, q.options().dtype(at::kFloat));
   dispatch_io(q.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
@@ -346,7 +346,7 @@ at::Tensor recurrent_serve_entry(const char* op, const at::Tensor& q, const at::
                 ": num_accepted_tokens must be int64 [N] with [N,T] indices");
   if (idx.dim() == 2)
     for (const auto& s : seqs) TORCH_CHECK(s.len <= idx.size(1), op, ": [N,T] indices need a column per token");
-  at::Tensor o = at::empty({d.B, d.T, d.HV, d.V}, q.options());
+  at::Tensor o = empty_out({d.B, d.T, d.HV, d.V}, q.options());
   dispatch_io(q.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     switch (pool.scalar_type()) {
