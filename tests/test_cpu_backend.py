@@ -406,9 +406,13 @@ def test_big_output_is_advised(cpu, thp, monkeypatch):
     v = torch.randn(1, T, HV, V, generator=gen)
     g = F.logsigmoid(torch.randn(1, T, HV, generator=gen))
     beta = torch.rand(1, T, HV, generator=gen)
-    o, _ = cpu.ops.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, None, None)
-    inner = (o.data_ptr() + 2 ** 21 - 1) & ~(2 ** 21 - 1)  # madvise splits the mapping: look inside the advised part
-    huge = _anon_huge_kb(inner)
+    for _ in range(3):  # huge pages are granted when the kernel has free 2 MiB blocks: a few tries before judging
+        o, _ = cpu.ops.gdn_chunk_fwd(q, k, v, g, beta, K ** -0.5, None, None)
+        inner = (o.data_ptr() + 2 ** 21 - 1) & ~(2 ** 21 - 1)  # the advised part (madvise splits the mapping)
+        huge = _anon_huge_kb(inner)
+        if huge > 0 or thp == "0":
+            break
+        del o
     if thp == "1" and huge == 0 and _huge_pages_now() == 0:
         pytest.skip("the kernel gives no huge pages right now (fragmented memory?) even to a plain madvise")
     assert (huge > 0) == (thp == "1"), f"AnonHugePages of o's mapping: {huge} kB with KDA_DEV_CPU_THP={thp}"
