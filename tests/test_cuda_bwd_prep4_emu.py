@@ -15,6 +15,7 @@ tests/test_cuda_stages.py check the CUDA code itself against prep v3 and the flo
 import numpy as np
 import pytest
 
+from test_cuda_kda_prep2_emu import emu_cross_tiles
 from test_cuda_kda_prep_emu import cross_tile
 
 C, SUB, PASS, KP = 64, 16, 32, 128
@@ -88,49 +89,7 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
                         S8 *= Gx[t, c]
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
-        for warp in range(8):  # P2
-            for u in range(3):
-                a, mat, nt = cross_tile(warp + 8 * u)
-                b = nt >> 1
-                E = None if b == a - 1 else Ex[0 if a == 2 else (1 if b == 1 else 2)]
-                Xs = Ks if mat else Qs
-                for s in range(PASS // 8):
-                    At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
-                    for lane in range(32):
-                        gq, t4 = lane >> 2, lane & 3
-                        ra, jb = a * SUB + gq, nt * 8 + gq
-                        cl = s * 8 + t4
-                        c = cp0 + cl
-                        At[gq, t4] = Xs[ra, c] * Fs[ra, cl]
-                        At[gq + 8, t4] = Xs[ra + 8, c] * Fs[ra + 8, cl]
-                        At[gq, t4 + 4] = Xs[ra, c + 4] * Fs[ra, cl + 4]
-                        At[gq + 8, t4 + 4] = Xs[ra + 8, c + 4] * Fs[ra + 8, cl + 4]
-                        b0, b1 = Ks[jb, c] * Rf[jb, cl], Ks[jb, c + 4] * Rf[jb, cl + 4]
-                        if E is not None:
-                            b0, b1 = b0 * E[c], b1 * E[c + 4]
-                        Bt[t4, gq], Bt[t4 + 4, gq] = b0, b1
-                    assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
-                    D = At @ Bt
-                    for lane in range(32):
-                        gq, t4 = lane >> 2, lane & 3
-                        acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
-                                                D[gq + 8, 2 * t4 + 1])
-        for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
-            for s in range(PASS // 8):
-                At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
-                for lane in range(32):
-                    gq, t4 = lane >> 2, lane & 3
-                    r, jb = warp * SUB + 8 + gq, warp * SUB + gq
-                    cl = s * 8 + t4
-                    c = cp0 + cl
-                    At[gq, t4], At[gq + 8, t4] = Qs[r, c] * Hs[r, cl], Ks[r, c] * Hs[r, cl]
-                    At[gq, t4 + 4], At[gq + 8, t4 + 4] = Qs[r, c + 4] * Hs[r, cl + 4], Ks[r, c + 4] * Hs[r, cl + 4]
-                    Bt[t4, gq], Bt[t4 + 4, gq] = Ks[jb, c] * Hs[jb, cl], Ks[jb, c + 4] * Hs[jb, cl + 4]
-                assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
-                D = At @ Bt
-                for lane in range(32):
-                    gq, t4 = lane >> 2, lane & 3
-                    accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
+        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq)
         for tid in range(256):  # P1 (branch-free: f stays 1 outside the triangle)
             cg, rp, j0, t1, t2 = p1_map(tid)
             for ci in range(PASS // 16):

@@ -91,49 +91,7 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
                         S8 *= Gx[t, c]
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
-        for warp in range(8):  # P2
-            for u in range(3):
-                a, mat, nt = cross_tile(warp + 8 * u)
-                b = nt >> 1
-                E = None if b == a - 1 else Ex[0 if a == 2 else (1 if b == 1 else 2)]
-                Xs = Ks if mat else Qs
-                for s in range(PASS // 8):
-                    At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
-                    for lane in range(32):
-                        gq, t4 = lane >> 2, lane & 3
-                        ra, jb = a * SUB + gq, nt * 8 + gq
-                        cl = s * 8 + t4
-                        c = cp0 + cl
-                        At[gq, t4] = Xs[ra, c] * Fs[ra, cl]
-                        At[gq + 8, t4] = Xs[ra + 8, c] * Fs[ra + 8, cl]
-                        At[gq, t4 + 4] = Xs[ra, c + 4] * Fs[ra, cl + 4]
-                        At[gq + 8, t4 + 4] = Xs[ra + 8, c + 4] * Fs[ra + 8, cl + 4]
-                        b0, b1 = Ks[jb, c] * Rf[jb, cl], Ks[jb, c + 4] * Rf[jb, cl + 4]
-                        if E is not None:
-                            b0, b1 = b0 * E[c], b1 * E[c + 4]
-                        Bt[t4, gq], Bt[t4 + 4, gq] = b0, b1
-                    assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
-                    D = At @ Bt
-                    for lane in range(32):
-                        gq, t4 = lane >> 2, lane & 3
-                        acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
-                                                D[gq + 8, 2 * t4 + 1])
-        for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
-            for s in range(PASS // 8):
-                At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
-                for lane in range(32):
-                    gq, t4 = lane >> 2, lane & 3
-                    r, jb = warp * SUB + 8 + gq, warp * SUB + gq
-                    cl = s * 8 + t4
-                    c = cp0 + cl
-                    At[gq, t4], At[gq + 8, t4] = Qs[r, c] * Hs[r, cl], Ks[r, c] * Hs[r, cl]
-                    At[gq, t4 + 4], At[gq + 8, t4 + 4] = Qs[r, c + 4] * Hs[r, cl + 4], Ks[r, c + 4] * Hs[r, cl + 4]
-                    Bt[t4, gq], Bt[t4 + 4, gq] = Ks[jb, c] * Hs[jb, cl], Ks[jb, c + 4] * Hs[jb, cl + 4]
-                assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
-                D = At @ Bt
-                for lane in range(32):
-                    gq, t4 = lane >> 2, lane & 3
-                    accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
+        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq)
         for tid in range(256):  # W
             for r in range(4):
                 it = tid + r * 256
@@ -261,6 +219,56 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
     return dict(qg=ws_qg, kg=ws_kg, aqk=ws_aqk, decay=decay, Ab=Ab, X=X)
 
 
+def emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq):
+    """One 32-channel pass of P2 (the cross-sub-chunk tiles of A_qk / A_kk over the pass's 64-row factor tables F /
+    R and the cross factors Ex) and, with split8, of the lower-left 8x8 quarter of each diagonal block (tables H),
+    lane by lane into the mma accumulators acc2 [8 warps, 3, 32 lanes, 4] and accq [4, 32, 4]. The forward prep v2
+    and the backward prep v4 (tests/test_cuda_bwd_prep4_emu.py) run the same code here."""
+    for warp in range(8):  # P2
+        for u in range(3):
+            a, mat, nt = cross_tile(warp + 8 * u)
+            b = nt >> 1
+            E = None if b == a - 1 else Ex[0 if a == 2 else (1 if b == 1 else 2)]
+            Xs = Ks if mat else Qs
+            for s in range(PASS // 8):
+                At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    ra, jb = a * SUB + gq, nt * 8 + gq
+                    cl = s * 8 + t4
+                    c = cp0 + cl
+                    At[gq, t4] = Xs[ra, c] * Fs[ra, cl]
+                    At[gq + 8, t4] = Xs[ra + 8, c] * Fs[ra + 8, cl]
+                    At[gq, t4 + 4] = Xs[ra, c + 4] * Fs[ra, cl + 4]
+                    At[gq + 8, t4 + 4] = Xs[ra + 8, c + 4] * Fs[ra + 8, cl + 4]
+                    b0, b1 = Ks[jb, c] * Rf[jb, cl], Ks[jb, c + 4] * Rf[jb, cl + 4]
+                    if E is not None:
+                        b0, b1 = b0 * E[c], b1 * E[c + 4]
+                    Bt[t4, gq], Bt[t4 + 4, gq] = b0, b1
+                assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
+                D = At @ Bt
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
+                                            D[gq + 8, 2 * t4 + 1])
+    for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
+        for s in range(PASS // 8):
+            At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
+            for lane in range(32):
+                gq, t4 = lane >> 2, lane & 3
+                r, jb = warp * SUB + 8 + gq, warp * SUB + gq
+                cl = s * 8 + t4
+                c = cp0 + cl
+                At[gq, t4], At[gq + 8, t4] = Qs[r, c] * Hs[r, cl], Ks[r, c] * Hs[r, cl]
+                At[gq, t4 + 4], At[gq + 8, t4 + 4] = Qs[r, c + 4] * Hs[r, cl + 4], Ks[r, c + 4] * Hs[r, cl + 4]
+                Bt[t4, gq], Bt[t4 + 4, gq] = Ks[jb, c] * Hs[jb, cl], Ks[jb, c + 4] * Hs[jb, cl + 4]
+            assert not np.isnan(At).any() and not np.isnan(Bt).any(), "unset table entry read"
+            D = At @ Bt
+            for lane in range(32):
+                gq, t4 = lane >> 2, lane & 3
+                accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
+
+
 @pytest.mark.parametrize("split8", [False, True], ids=["v2", "split8"])
 @pytest.mark.parametrize("K,L,gates", [(128, 64, "normal"), (128, 64, "extreme"), (64, 37, "extreme"),
                                        (40, 64, "div10"), (128, 1, "normal"), (96, 50, "div0.1")])
@@ -309,6 +317,7 @@ def test_kda_prep2_against_float64(K, L, gates, split8):
         np.testing.assert_allclose(unfrag(ws["kg"], KP, C), (kz * bz[:, None] * suffix).T, atol=1e-12, rtol=1e-9)
         np.testing.assert_allclose(ws["decay"], np.exp(G[-1]), atol=1e-300, rtol=1e-9)
         np.testing.assert_allclose(ws["X"], kz * np.exp(G), atol=1e-12, rtol=1e-9)
+
 
 
 def test_float32_gate_factors_are_exact_enough():
