@@ -128,7 +128,8 @@ def _gates_50(g, rows):
 
 def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     """The chunked backward's gradients with the default kernels and with `knob` ("NAME=VAL[,NAME=VAL]", each
-    setting KDA_CUDA_CHUNK_BWD_<NAME>, read by the host at every call), same inputs and cotangents. Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
+    setting KDA_CUDA_CHUNK_BWD_<NAME>, read by the host at every call), same inputs and cotangents (all drawn from
+    `seed`: two calls with one seed see the same ones). Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
     T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly), T200_gates_50[_rows]
     at -50 (_gates_50)."""
     spec = dict(CASES[case]) if case in CASES else dict(WY2_CASES.get(case, dict(B=1, T=200, H=1, HV=2)))
@@ -148,9 +149,10 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
         g = _gates_50(g, case.endswith("_rows"))
     N = q.shape[0] if cu is None else cu.numel() - 1
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = torch.randn(N, HV, K, V, device=DEV) * 0.5
-    dht = torch.randn(N, HV, K, V, device=DEV)
-    do = torch.randn_like(v)
+    gen = torch.Generator().manual_seed(seed)  # as _run: the same h0, dht and cotangent for the same seed
+    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV)
+    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
+    do = torch.randn(*v.shape, generator=gen).to(DEV).to(v.dtype)
     op = getattr(OPS, f"{family}_chunk_bwd")
     a = op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
     for kv in knob.split(","):
@@ -418,11 +420,8 @@ def test_kda_bwd_prep4_matches_prep3(case, version, monkeypatch):
 
 def test_gdn_bwd_prep4_is_prep3(monkeypatch):
     # GDN has no prep v4: KDA_CUDA_CHUNK_BWD_PREP=4 / 5 run its prep v3, bit for bit
-    # (h0, dht and the cotangent come from torch's global generator: seeded alike for both calls)
     monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "3")
-    torch.manual_seed(31)
     a, b = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=4", monkeypatch)
-    torch.manual_seed(31)
     _, c = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=5", monkeypatch)
     for name, x, y, z in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b, c):
         assert torch.equal(x, y) and torch.equal(x, z), name
