@@ -31,22 +31,28 @@ CASES = {
 }
 
 
+def case_inputs(family, spec):
+    """bf16 inputs of one case (make_inputs, seed 3), h0 / dht / cotangent (seed 9), the scale, and every gradient of
+    (o . do + final state . dht) through the float64 reference: (q, k, v, g, beta, h0, dht, do, scale, ref)."""
+    q, k, v, g, beta = make_inputs(family, dtype=torch.bfloat16, seed=3, **spec)
+    N, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    gen = torch.Generator().manual_seed(9)
+    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV)
+    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
+    do = torch.randn(*v.shape, generator=gen).to(DEV).to(torch.bfloat16)
+    scale = K ** -0.5
+    xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h0r = h0.cpu().double().requires_grad_(True)
+    ro, rs = ref_delta_rule(*xs, scale=scale, initial_state=h0r)
+    loss = (ro * do.cpu().double()).sum() + (rs * dht.cpu().double()).sum()
+    return q, k, v, g, beta, h0, dht, do, scale, torch.autograd.grad(loss, xs + [h0r])
+
+
 def main(variants):
     worst = {}
     for family in ("kda", "gdn"):
         for case, spec in CASES.items():
-            q, k, v, g, beta = make_inputs(family, dtype=torch.bfloat16, seed=3, **spec)
-            N, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
-            gen = torch.Generator().manual_seed(9)
-            h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV)
-            dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
-            do = torch.randn(*v.shape, generator=gen).to(DEV).to(torch.bfloat16)
-            scale = K ** -0.5
-            xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]
-            h0r = h0.cpu().double().requires_grad_(True)
-            ro, rs = ref_delta_rule(*xs, scale=scale, initial_state=h0r)
-            loss = (ro * do.cpu().double()).sum() + (rs * dht.cpu().double()).sum()
-            ref = torch.autograd.grad(loss, xs + [h0r])
+            q, k, v, g, beta, h0, dht, do, scale, ref = case_inputs(family, spec)
             for variant in ["default"] + variants:
                 knobs = {} if variant == "default" else dict(kv.split("=") for kv in variant.split(","))
                 with knobs_set(knobs):

@@ -7,13 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from ref_delta import ref_delta_rule, rel_err  # noqa: E402
-from test_cuda_backend import DEV, OPS, make_inputs  # noqa: E402
+from bwd_accuracy import NAMES, case_inputs  # noqa: E402
+from ref_delta import rel_err  # noqa: E402
+from test_cuda_backend import OPS  # noqa: E402
 
-NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 CASES = {
     "T200_correlated": dict(B=1, T=200, H=1, HV=2, keys="correlated"),
     "extreme_gates": dict(B=1, T=200, H=1, HV=2, extreme=True, gate_div=0.1),
@@ -25,18 +25,7 @@ CASES = {
 def main():
     for family in ("kda", "gdn"):
         for case, spec in CASES.items():
-            q, k, v, g, beta = make_inputs(family, dtype=torch.bfloat16, seed=3, **spec)
-            N, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
-            gen = torch.Generator().manual_seed(9)
-            h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV)
-            dht = torch.randn(N, HV, K, V, generator=gen).to(DEV)
-            do = torch.randn(*v.shape, generator=gen).to(DEV).to(torch.bfloat16)
-            scale = K ** -0.5
-            xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]
-            h0r = h0.cpu().double().requires_grad_(True)
-            ro, rs = ref_delta_rule(*xs, scale=scale, initial_state=h0r)
-            loss = (ro * do.cpu().double()).sum() + (rs * dht.cpu().double()).sum()
-            ref = torch.autograd.grad(loss, xs + [h0r])
+            q, k, v, g, beta, h0, dht, do, scale, ref = case_inputs(family, spec)
             outs = {}
             for mode in ("2", "3", "4"):
                 os.environ["KDA_CUDA_CHUNK_BWD_STATE_FWD"] = mode
