@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from bwd_accuracy import NAMES, case_inputs  # noqa: E402
