@@ -22,15 +22,7 @@ tests_pid=$!
   echo "== profile (defaults; old kernels by knob)"
   timeout 60 python3 benchmarks/cuda/profile_chunk.py --bwd-ch 1 --kda-prep 1,3 > "$OUT/kernel_times.json"
   KDA_CUDA_CHUNK_BWD_WY=1 timeout 40 python3 benchmarks/cuda/profile_chunk.py --phases bwd > "$OUT/kernel_times_wy1.json"
-  python3 - "$OUT/kernel_times.json" "$OUT/kernel_times_wy1.json" <<'PY'
-import json, sys
-for f in sys.argv[1:]:
-    r = json.load(open(f))
-    for fam in ("kda", "gdn"):
-        for ph, x in r.get(fam, {}).items():
-            print(f.rsplit("/", 1)[-1], fam, ph, "sum %.3f ms" % sum(x.values()),
-                  {k.split("(")[0].split("::")[-1]: v for k, v in x.items() if v > 0.1})
-PY
+  python3 benchmarks/cuda/profile_chunk.py --summarize "$OUT/kernel_times.json" "$OUT/kernel_times_wy1.json"
   echo "== decode beside fla"
   OUT="$OUT" timeout ${DEC_TIMEOUT:-120} python3 benchmarks/cuda/bench_cuda.py --decode-only --prefix cuda_decode_session7_final
   echo "== fwd+bwd beside fla (B1 T8192)"

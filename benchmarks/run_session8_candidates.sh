@@ -30,16 +30,7 @@ gpu1=$!
   timeout ${PROF_TIMEOUT:-110} python3 benchmarks/cuda/profile_chunk.py --scans 5,6 --bwd-prep 4,5 --bwd-state-bwd 4 \
     --bwd-vc 3 --bwd-window 0 --bwd-free 0 --peak > "$OUT/kernel_times.json"
   echo "profile exit $?"
-  python3 - "$OUT/kernel_times.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-for fam in ("kda", "gdn"):
-    for ph, x in r.get(fam, {}).items():
-        if isinstance(x, dict):
-            ks = {k: v for k, v in x.items() if isinstance(v, (int, float))}
-            print(fam, ph, "sum %.3f ms" % sum(ks.values()),
-                  {k.split("(")[0].split("::")[-1]: v for k, v in ks.items() if v > 0.1})
-PY
+  python3 benchmarks/cuda/profile_chunk.py --summarize "$OUT/kernel_times.json"
   echo "== decode beside fla (session 8 A/B rows)"
   OUT="$OUT" timeout ${DEC_TIMEOUT:-130} python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session8 \
     --decode-only --sweep8 --rep 100 --sweep-rep 40 > "$OUT/bench_decode.log" 2>&1

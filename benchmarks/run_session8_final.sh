@@ -23,14 +23,7 @@ gpu1=$!
   timeout ${PROF_TIMEOUT:-90} python3 benchmarks/cuda/profile_chunk.py --scans 6 --bwd-window=-1 --peak \
     > "$OUT/kernel_times.json"
   echo "profile exit $?"
-  python3 - "$OUT/kernel_times.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-for fam in ("kda", "gdn"):
-    for ph, x in r.get(fam, {}).items():
-        ks = {k: v for k, v in x.items() if isinstance(v, (int, float))}
-        print(fam, ph, "sum %.3f" % sum(ks.values()), {k.split("(")[0].split("::")[-1]: v for k, v in ks.items() if v > 0.1})
-PY
+  python3 benchmarks/cuda/profile_chunk.py --summarize "$OUT/kernel_times.json"
   echo "== ours fwd+bwd, three shapes"
   OUT="$OUT" BENCH_PHASES=ours BENCH_SKIP_RECURRENT=1 timeout ${BWD_TIMEOUT:-120} \
     python3 benchmarks/cuda/bench_chunk_bwd.py > "$OUT/bench_bwd.log" 2>&1

@@ -3,6 +3,7 @@
 Nsight Compute. B=1 T=8192 H=16 HV=32 K=V=128 bf16 unless told otherwise.
 
     python benchmarks/cuda/profile_chunk.py                 # prints {family: {phase: {kernel: ms}}} as JSON
+    python benchmarks/cuda/profile_chunk.py --summarize A.json [B.json ...]   # one line per (family, phase)
     ncu -k regex:prep -c 1 --set full -o prep python benchmarks/cuda/profile_chunk.py --once kda_fwd
 """
 import argparse
@@ -88,7 +89,23 @@ def peak_mib(fn):
     return round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
 
 
+def summarize(paths):
+    """One line per (family, phase) of this script's JSON output: the sum (ms; MiB for peak_mib) and every kernel
+    above 0.1, short names; each line starts with the file name when several files are given."""
+    for path in paths:
+        r = json.load(open(path))
+        for fam in ("kda", "gdn"):
+            for ph, x in r.get(fam, {}).items():
+                xs = {k: v for k, v in x.items() if isinstance(v, (int, float))}
+                unit = "MiB" if ph == "peak_mib" else "ms"
+                print(*([path.rsplit("/", 1)[-1]] if len(paths) > 1 else []), fam, ph,
+                      f"sum {sum(xs.values()):.3f} {unit}",
+                      {k.split("(")[0].split("::")[-1]: v for k, v in xs.items() if v > 0.1})
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--summarize":  # no GPU needed
+        return summarize(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
     ap.add_argument("--families", default="kda,gdn", help="comma-separated: kda, gdn")
@@ -106,7 +123,7 @@ def main():
                          "is the split grad3) as bwd_grad2")
     ap.add_argument("--bwd-prep2", action="store_true",
                     help="also time the backward with the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2; the default for "
-                         "bf16/fp16 inputs is the tensor-core prep v3) as bwd_prep2")
+                         "bf16/fp16 inputs is a tensor-core prep, v4 for KDA, v3 for GDN) as bwd_prep2")
     for opt, env, phase, row, kda_only, values in KNOB_SWEEPS:
         ap.add_argument(opt, default="", help=f"comma-separated {env} values ({values}) to also time the {phase} "
                                               f"with, each as {row}N" + (" (KDA only)" if kda_only else ""))
