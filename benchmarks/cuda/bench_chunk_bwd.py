@@ -4,7 +4,8 @@ CUDA backend) side by side with flash-linear-attention 0.6.0, in one process on 
     python3 benchmarks/cuda/bench_chunk_bwd.py     # writes $OUT (or benchmarks/results) cuda_chunk_bwd.json + .png
 
 bf16 q/k/v, fp32 g and beta, K=V=128, gates logsigmoid(randn)/8, no initial state, output_final_state=True; shapes
-B1 T8192 H16 HV32, B1 T32768 H16 HV32, B4 T4096 H=HV=32. fwd+bwd = forward, then torch.autograd.grad of (o, final
+B1 T8192 H16 HV32, B1 T32768 H16 HV32, B4 T4096 H=HV=32, and the chunked-forward benchmark's varlen mix (16
+sequences of 64..8192 tokens, H16 HV32, cu_seqlens). fwd+bwd = forward, then torch.autograd.grad of (o, final
 state) against random cotangents (so .grad never accumulates); timed eager (triton do_bench, median) and under CUDA
 graphs where capture works. Also: our backward core op alone (kda_chunk_bwd / gdn_chunk_bwd), and the peak of
 torch.cuda.max_memory_allocated above the inputs over one fwd+bwd. fla's refusals (GDN backward on Hopper with
@@ -12,7 +13,8 @@ Triton 3.6) are recorded as they are raised.
 
     BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GRAD=3" python3 benchmarks/cuda/bench_chunk_bwd.py
 adds rows "ours[KNOB=VAL,...]" (each ;-separated variant's knobs set while it is timed) beside the defaults.
-BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows; BENCH_PHASES sets the order
+BENCH_SHAPES=B4,varlen keeps the shapes whose names (B1_T8192, B1_T32768, B4_T4096, varlen) start with one
+of the comma-separated prefixes. BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows; BENCH_PHASES sets the order
 of the two sides (default "ours,fla_0.6.0").
 """
 import json
@@ -22,15 +24,24 @@ from pathlib import Path
 
 import torch
 
-from bench_chunk_fwd import mk as mk_inputs
+from bench_chunk_fwd import VARLEN, mk as mk_inputs
 from cuda_variant import knobs_set, load_cuda_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
 DEV = "cuda"
 RES = []
-SHAPES = [(1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 32, 32)]
+# (B, T, H, HV, sequence lengths of a varlen batch or None)
+SHAPES = [(1, 8192, 16, 32, None), (1, 32768, 16, 32, None), (4, 4096, 32, 32, None), (1, sum(VARLEN), 16, 32, VARLEN)]
 SHAPES = SHAPES[:int(os.environ.get("BENCH_NSHAPES", len(SHAPES)))]  # the first n shapes (short device calls)
+
+
+def shape_name(B, T, H, HV, lens):
+    return "varlen" if lens is not None else f"B{B}_T{T}"
+
+
+if os.environ.get("BENCH_SHAPES"):  # comma-separated name prefixes (short device calls)
+    SHAPES = [s for s in SHAPES if any(shape_name(*s).startswith(x) for x in os.environ["BENCH_SHAPES"].split(","))]
 
 
 def rec(**kw):
@@ -112,11 +123,14 @@ def main():
 
 
 def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
-    for (B, T, H, HV) in SHAPES:
+    for (B, T, H, HV, lens) in SHAPES:
         for fam in ("kda", "gdn"):
             kda = fam == "kda"
             xs = mk(B, T, H, HV, K, V, kda)
-            N = B
+            N = B if lens is None else len(lens)
+            cu = None if lens is None else torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long,
+                                                        device=DEV)
+            extra = {} if cu is None else {"cu_seqlens": cu}
             do = torch.randn(B, T, HV, V, device=DEV, dtype=torch.bfloat16)
             dht = torch.randn(N, HV, K, V, device=DEV)
             scale = K ** -0.5
@@ -129,14 +143,14 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
             elif fla_kda is not None:
                 impls.append(("fla_0.6.0", fla_kda if kda else fla_gdn, {}))
             for impl, fn, knobs in impls:
-                shape = dict(B=B, T=T, H=H, HV=HV, K=K, V=V)
+                shape = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, **({} if lens is None else {"varlen": len(lens)}))
 
                 def fwd():
                     with torch.no_grad():
-                        return fn(*xs, scale=scale, output_final_state=True)
+                        return fn(*xs, scale=scale, output_final_state=True, **extra)
 
                 def fwdbwd():
-                    o, s = fn(*xs, scale=scale, output_final_state=True)
+                    o, s = fn(*xs, scale=scale, output_final_state=True, **extra)
                     return torch.autograd.grad((o, s), xs, (do, dht))
 
                 try:
@@ -158,17 +172,17 @@ def bench_phase(phase, kk, fla_kda, fla_gdn, K, V):
                     continue
                 q, k, v, g, beta = [x.detach() for x in xs]
                 op = getattr(kk.ops, f"{fam}_chunk_bwd")
-                e, gr, why = timed(lambda: op(q, k, v, g, beta, scale, None, None, do, dht))
-                mem = peak_above(lambda: op(q, k, v, g, beta, scale, None, None, do, dht))
-                rec(name=f"{fam}_chunk_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V, eager_ms=round(e, 4),
+                e, gr, why = timed(lambda: op(q, k, v, g, beta, scale, None, cu, do, dht))
+                mem = peak_above(lambda: op(q, k, v, g, beta, scale, None, cu, do, dht))
+                rec(name=f"{fam}_chunk_bwd_core", impl="ours", **shape, eager_ms=round(e, 4),
                     graph_ms=None if gr is None else round(gr, 4), graph_error=why,
                     peak_mb_above_inputs=round(mem, 1))
-                if (B, T) == (1, 8192) and not os.environ.get("BENCH_SKIP_RECURRENT"):
+                if (B, T, lens) == (1, 8192, None) and not os.environ.get("BENCH_SKIP_RECURRENT"):
                     rop = getattr(kk.ops, f"{fam}_recurrent_bwd")
                     e, _, _ = timed(lambda: rop(q, k, v, g, beta, scale, None, None, do, dht), graphs=False)
                     rec(name=f"{fam}_recurrent_bwd_core", impl="ours", B=B, T=T, H=H, HV=HV, K=K, V=V,
                         eager_ms=round(e, 4))
-            xs = do = dht = None  # free before the next shape (closures above hold the names, not the values)
+            xs = do = dht = cu = None  # free before the next shape (closures above hold the names, not the values)
             torch.cuda.empty_cache()
 
 
@@ -179,14 +193,14 @@ def plot(out):
     rows = [r for r in out["results"] if r["name"].endswith("fwdbwd")]
     labels, ours, fla = [], [], []
     for fam in ("kda", "gdn"):
-        for (B, T, H, HV) in SHAPES:
+        for (B, T, H, HV, lens) in SHAPES:
             key = dict(B=B, T=T, H=H, HV=HV)
             def get(impl):
                 for r in rows:
                     if r["name"] == f"{fam}_chunk_fwdbwd" and r["impl"] == impl and all(r[a] == b for a, b in key.items()):
                         return r.get("graph_ms") or r.get("eager_ms") or 0.0
                 return 0.0
-            labels.append(f"{fam.upper()}\nB{B} T{T}\nH{H} HV{HV}")
+            labels.append(f"{fam.upper()}\n" + (f"varlen {len(lens)} seqs" if lens else f"B{B} T{T}") + f"\nH{H} HV{HV}")
             ours.append(get("ours"))
             fla.append(get("fla_0.6.0"))
     fig, ax = plt.subplots(figsize=(11, 4.5))
