@@ -130,7 +130,8 @@ def main():
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
-    scans = os.environ.get("BENCH_CHUNK_SCAN")  # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk)
+    # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk, 5 / 6 split, 7 warp-specialized)
+    scans = os.environ.get("BENCH_CHUNK_SCAN")
     runs = [(f, x, sc) for f, x in runs for sc in (scans.split(",") if scans else [None])]
     for name, B, T, H, HV, lens in shapes:
         for fam, gdn_prep, scan in runs:
