@@ -3,17 +3,17 @@ kernels_src/cuda/delta_chunk_scan5.cuh): the shared-memory layout Scan5Smem and 
 the recurrence warps and the output warps through NB rotating buffers and the mbarriers full[NB] / empty[NB].
 
 The recurrence's own products (ScanRec: scan4's U and h update, operand bulk copies) are emulated by
-tests/test_cuda_split_emu.py and the output products (scan3's o chains) by tests/test_cuda_scan3_emu.py; here
-the agents move chunk tags instead of numbers. Recurrence and output threads are modelled as a few agents each
-(every agent owns its part of each buffer), run in random interleavings (each agent with a random speed): the
-recurrence agents meet at the named barrier twice per chunk, arrive on full[b] after writing their part of U_c, and wait on empty[b] (the kernel's
-parity formula) before writing h_{c+1} into buffer (c + 1) % NB; the output agents wait on full[c % NB] (parity
-(c / NB) & 1), read every part of h_c and U_c, then arrive on empty. mbarriers complete a phase when all their
-expected arrivals came; try_wait.parity(P) succeeds when the phase of parity P has completed. Checks: every read
-sees the chunk it expects (no buffer is overwritten before its readers are done, none is read before it is
-written), no deadlock, for 0..13 chunks and NB 2, 3, 4; and the same emulation with the empty wait dropped or
-its parity off by one fails (the checks can fail). Runs without a GPU; the CUDA code itself is tested by
-tests/test_cuda_chunk_fwd.py (test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*).
+tests/test_cuda_split_emu.py and the output products (scan3's o chains) by tests/test_cuda_scan3_emu.py; here the
+agents move chunk tags instead of numbers. Recurrence and output warps (each arrives once, lane 0 after __syncwarp)
+are modelled as a few agents each (every agent owns its part of each buffer), run in random interleavings (each
+agent with a random speed): the recurrence agents meet at the named barrier twice per chunk, arrive on full[b] after
+writing their part of U_c, and wait on empty[b] (the kernel's parity formula) before writing h_{c+1} into buffer
+(c + 1) % NB; the output agents wait on full[c % NB] (parity (c / NB) & 1), read every part of h_c and U_c, then
+arrive on empty. mbarriers complete a phase when all their expected arrivals came; try_wait.parity(P) succeeds when
+the phase of parity P has completed. Checks: every read sees the chunk it expects (no buffer is overwritten before
+its readers are done, none is read before it is written), no deadlock, for 0..13 chunks and NB 2, 3, 4; and the same
+emulation with the empty wait dropped or its parity off by one fails (the checks can fail). Runs without a GPU; the
+CUDA code itself is tested by tests/test_cuda_chunk_fwd.py (test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*).
 """
 import random
 

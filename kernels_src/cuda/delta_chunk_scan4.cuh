@@ -54,6 +54,46 @@ __device__ __forceinline__ void split_put2(void* base, int64_t i, float x, float
   else reinterpret_cast<float2*>(base)[i >> 1] = make_float2(x, y);
 }
 
+// Two adjacent output elements o[i], o[i + 1] (the second only when has_y) in the input dtype, rounded as store_in;
+// one 4-byte store for bf16 / fp16 when pair (i even: V even).
+__device__ __forceinline__ void store_o2(void* o, int64_t i, int dt, bool pair, float x, float y, bool has_y) {
+  if (pair && dt == kBF16) {
+    reinterpret_cast<__nv_bfloat162*>(o)[i >> 1] = __floats2bfloat162_rn(x, y);
+  } else if (pair && dt == kF16) {
+    reinterpret_cast<__half2*>(o)[i >> 1] = __floats2half2_rn(x, y);
+  } else {
+    store_in(o, i, dt, x);
+    if (has_y) store_in(o, i + 1, dt, y);
+  }
+}
+
+// B operands kept rounded: hs / Us hold tf32(h) / tf32(U) (tf32_round), the values mma8 would convert them to at
+// every use, so the k-steps below pass their bits to the mma as they are (the same products, fewer instructions).
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(to_tf32(x)); }
+
+// acc[nt] += A * B[k0 .. k0 + 8][8 nt .. 8 nt + 8]: A the tf32 bits (a0..a3) of a 16 x 8 fragment, B a row-major
+// shared tile of tf32-rounded values (row stride ld).
+template <int N8>
+__device__ __forceinline__ void mma_tiles_rounded(float (&acc)[N8][4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                  uint32_t a3, const float* B, int ld, int k0, int t4, int gq) {
+#pragma unroll
+  for (int nt = 0; nt < N8; ++nt)
+    mma_tf32_raw(acc[nt], a0, a1, a2, a3, __float_as_uint(B[(k0 + t4) * ld + nt * 8 + gq]),
+                 __float_as_uint(B[(k0 + t4 + 4) * ld + nt * 8 + gq]));
+}
+// The same with A an fp32 fragment (rounded here, as mma8 does) ...
+template <int N8>
+__device__ __forceinline__ void mma_tiles_rounded(float (&acc)[N8][4], const float4& a, const float* B, int ld,
+                                                  int k0, int t4, int gq) {
+  mma_tiles_rounded(acc, to_tf32(a.x), to_tf32(a.y), to_tf32(a.z), to_tf32(a.w), B, ld, k0, t4, gq);
+}
+// ... or a bf16 workspace fragment (exact in tf32: frag_unpack's bits).
+template <int N8>
+__device__ __forceinline__ void mma_tiles_rounded(float (&acc)[N8][4], const uint2& f, const float* B, int ld, int k0,
+                                                  int t4, int gq) {
+  mma_tiles_rounded(acc, f.x << 16, f.x & 0xffff0000u, f.y << 16, f.y & 0xffff0000u, B, ld, k0, t4, gq);
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The recurrence shared by the state-only scan (scan4) and the warp-specialized scan (delta_chunk_scan5.cuh): one
 // of 8 warps, warp w = 4 wc + wi, of a (sequence, value head, 32 columns) block. It holds rows
@@ -93,7 +133,7 @@ struct ScanRec {
               (p.h0 != nullptr && r < p.K && c < p.V) ? p.h0[sbase + static_cast<int64_t>(r) * p.V + c] : 0.f;
         }
   }
-  // h -> hs [KP x LDH] (fp32)
+  // tf32(h) -> hs [KP x LDH]
   __device__ __forceinline__ void store_h(float* hs) const {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -102,7 +142,7 @@ struct ScanRec {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-          hs[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
+          hs[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = tf32_round(hacc[mt][nt][e]);
         }
   }
   // the final state
@@ -139,22 +179,22 @@ struct ScanRec {
       for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KP / 8; ks += 2) {
-      mma_row_tiles<false>(a0, sw[ks * 32], hs + cw, LDH, ks * 8, t4, gq);
-      mma_row_tiles<false>(a1, sw[(ks + 1) * 32], hs + cw, LDH, (ks + 1) * 8, t4, gq);
+      mma_tiles_rounded(a0, sw[ks * 32], hs + cw, LDH, ks * 8, t4, gq);
+      mma_tiles_rounded(a1, sw[(ks + 1) * 32], hs + cw, LDH, (ks + 1) * 8, t4, gq);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) u[nt][e] = u0r[nt][e] - (a0[nt][e] + a1[nt][e]);
   }
-  // u -> Us [64 x LDH]
+  // tf32(u) -> Us [64 x LDH]
   __device__ __forceinline__ void store_u(float* Us, const float (&u)[NT][4]) const {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = wi * 16 + gq + (e >> 1) * 8;
-        Us[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = u[nt][e];
+        Us[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = tf32_round(u[nt][e]);
       }
   }
   // h <- Diag(decay) h + k~^T U (Us: the whole chunk's U)
@@ -174,7 +214,7 @@ struct ScanRec {
       }
 #pragma unroll
       for (int ks = 0; ks < kChunk / 8; ++ks)
-        mma_row_tiles<false>(hacc[mt], frag_unpack(sk[(mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8, t4, gq);
+        mma_tiles_rounded(hacc[mt], sk[(mt * (kChunk / 8) + ks) * 32], Us + cw, LDH, ks * 8, t4, gq);
     }
   }
 };

@@ -10,15 +10,17 @@
 //    brought into two shared buffers by cp.async.bulk two chunks ahead), synchronised among themselves by the named
 //    barrier 1 (256 threads). h_c and U_c live in NB = 3 shared buffers (the recurrence writes h_{c+1} into the
 //    next buffer instead of overwriting h_c): buffer c % NB is handed to the output warps through the mbarrier
-//    full[c % NB] (256 arrivals, one per recurrence thread after its U_c stores) and handed back through
-//    empty[c % NB] (256 arrivals of the output threads after their last reads). The recurrence waits on empty only
-//    before writing h_{c+1} into a buffer whose previous chunk (c + 1 - NB) the output warps have not finished:
-//    they may lag it by up to NB - 1 chunk steps.
+//    full[c % NB] (8 arrivals, one per recurrence warp: lane 0 after __syncwarp, once the warp stored its part of
+//    U_c) and handed back through empty[c % NB] (8 arrivals, one per output warp after its last reads). The
+//    recurrence waits on empty only before writing h_{c+1} into a buffer whose previous chunk (c + 1 - NB) the
+//    output warps have not finished: they may lag it by up to NB - 1 chunk steps.
 //  - output warps 8..15: o = q~ h_c + A~ U_c of each chunk, warp 8 + 4 wc + wi rows 16 wi .. 16 wi + 15 and columns
 //    16 wc .. 16 wc + 15 (scan3's output split). Their q~ / A~ fragments (bf16, this warp's rows only) are loaded
-//    from the workspace into registers a chunk ahead, after the previous chunk's products.
-// Same products as scan3, in scan3's order (tf32 mma m16n8k8; h and U fp32 in shared memory, rounded to tf32 by
-// the mma operand conversion; o in two chains q~ h and A~ U summed at the end): o and the final state are scan3's.
+//    from the workspace into registers a chunk ahead, after the previous chunk's products; o pairs of bf16 / fp16
+//    go out in one 4-byte store (store_o2).
+// Same products as scan3, in scan3's order (tf32 mma m16n8k8; h and U kept in shared memory already rounded to tf32,
+// the operands scan3's mma8 converts them to at every use; o in two chains q~ h and A~ U summed at the end): o and
+// the final state are scan3's.
 // Shared memory at KP = 128: 2 x 48.5 KB operand buffers + 3 x (20 + 10) KB h_c / U_c buffers = 187 KB, one block
 // per SM; 512 threads (at most 128 registers each).
 #pragma once
@@ -89,8 +91,8 @@ __global__ void __launch_bounds__(kScan5Threads, 1) delta_chunk_scan5_kernel(con
     mbar_init(opbar + 8, 1);
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
-      mbar_init(fullbar + 8 * b, kScan5RecThreads);
-      mbar_init(emptybar + 8 * b, kScan5Threads - kScan5RecThreads);
+      mbar_init(fullbar + 8 * b, kScan5RecThreads / 32);  // one arrival per warp (lane 0 after __syncwarp)
+      mbar_init(emptybar + 8 * b, (kScan5Threads - kScan5RecThreads) / 32);
     }
     mbar_init_fence();
     if (nch > 0) mbar_arrive_expect_tx(opbar, RB);
@@ -121,7 +123,8 @@ __global__ void __launch_bounds__(kScan5Threads, 1) delta_chunk_scan5_kernel(con
       float u[R::NT][4];
       rec.u_step(buf, hs, u);  // U = u0 - w h
       rec.store_u(Us, u);
-      mbar_arrive(fullbar + 8 * b);  // h_c (written before the last rec_sync) and this thread's part of U_c
+      __syncwarp();
+      if (rec.lane == 0) mbar_arrive(fullbar + 8 * b);  // h_c (written before the last rec_sync) and this warp's U_c
       if (ci + 1 < nch) rec.load_u0(chunk_ws(ci + 1), WL, v0, V);
       rec_sync();  // Us complete
       rec.h_step(buf, Us);  // h <- Diag(decay) h + k~^T U
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(kScan5Threads, 1) delta_chunk_scan5_kernel(con
     const int ot = tid - kScan5RecThreads, lane = ot & 31, w = ot >> 5, wi = w & 3;
     const int cw = (w >> 2) * R::WC;
     const int gq = lane >> 2, t4 = lane & 3;
+    const bool pair = p.in_dtype != kF32 && (V & 1) == 0;  // o pairs in one 4-byte store (store_o2)
     uint2 qf[KP / 8], af[kChunk / 8];
     auto load_frags = [&](int ci) {  // this warp's rows of q~ and A~ (bf16 fragments, uint2 per tile-lane)
       const float* ws = chunk_ws(ci);
@@ -167,21 +171,22 @@ __global__ void __launch_bounds__(kScan5Threads, 1) delta_chunk_scan5_kernel(con
 #pragma unroll
         for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < KP / 8; ++ks) mma_row_tiles<false>(a0, frag_unpack(qf[ks]), hs + cw, LDH, ks * 8, t4, gq);
+      for (int ks = 0; ks < KP / 8; ++ks) mma_tiles_rounded(a0, qf[ks], hs + cw, LDH, ks * 8, t4, gq);
 #pragma unroll
       for (int ks = 0; ks < kChunk / 8; ++ks)
-        if (ks < 2 * wi + 2) mma_row_tiles<false>(a1, frag_unpack(af[ks]), Us + cw, LDH, ks * 8, t4, gq);
-      mbar_arrive(emptybar + 8 * b);  // done reading h_c and U_c
+        if (ks < 2 * wi + 2) mma_tiles_rounded(a1, af[ks], Us + cw, LDH, ks * 8, t4, gq);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(emptybar + 8 * b);  // this warp is done reading h_c and U_c
       if (ci + 1 < nch) load_frags(ci + 1);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = wi * 16 + gq + (e >> 1) * 8;
-          const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
+        for (int h = 0; h < 2; ++h) {
+          const int r = wi * 16 + gq + h * 8;
+          const int c = v0 + cw + nt * 8 + 2 * t4;
           if (r < L && c < V)
-            store_in(p.o, ((bos + static_cast<int64_t>(ci) * kChunk + r) * HV + hv) * V + c, p.in_dtype,
-                     a0[nt][e] + a1[nt][e]);
+            store_o2(p.o, ((bos + static_cast<int64_t>(ci) * kChunk + r) * HV + hv) * V + c, p.in_dtype, pair,
+                     a0[nt][2 * h] + a1[nt][2 * h], a0[nt][2 * h + 1] + a1[nt][2 * h + 1], c + 1 < V);
         }
     }
   }
