@@ -16,6 +16,9 @@ blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls,
 delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
 pre-Hopper GPUs) against the float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks),
 test_chunk_scan3_vs_single (against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan.
+The opt-in scans: the split forward (KDA_CUDA_CHUNK_SCAN=5 / 6: test_chunk_fwd_split*, test_chunk_split_vs_scan3) and
+the warp-specialized scan5 (=7: test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*, and the graph / empty-sequence
+test of the split forward).
 """
 import importlib.util
 import subprocess
@@ -347,12 +350,12 @@ def test_chunk_split_vs_scan3(family, case, dtype, monkeypatch):
     assert_close("o (split bf16 vs scan3)", o4.float().cpu(), o6.float().cpu(), 3e-3)
 
 
-@pytest.mark.parametrize("mode", ["5", "6"], ids=["split_f32", "split_bf16"])
+@pytest.mark.parametrize("mode", ["5", "6", "7"], ids=["split_f32", "split_bf16", "scan5_ws"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_split_cuda_graph_and_empty(family, mode, monkeypatch):
-    """The split forward under CUDA-graph capture (its h_c / U_c buffers are allocated inside the call) with an empty
-    sequence in the batch, and with every sequence empty (the scan copies h0 to the final state; no output
-    chunks)."""
+    """The split forward (5, 6) under CUDA-graph capture (its h_c / U_c buffers are allocated inside the call) with an
+    empty sequence in the batch, and with every sequence empty (the scan copies h0 to the final state; no output
+    chunks); the same for the warp-specialized scan (7)."""
     monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
@@ -372,3 +375,60 @@ def test_chunk_fwd_split_cuda_graph_and_empty(family, mode, monkeypatch):
     o, s = fn(q, k, v, g, beta, 0.1, h0, cu)
     assert o.shape == (1, 0, 4, 128)
     assert torch.equal(s, h0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_scan5(family, case, dtype, monkeypatch):
+    """The warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7, delta_chunk_scan5.cuh: 8 recurrence warps running scan4's
+    loop hand each chunk's h_c and U_c through three shared buffers to 8 output warps computing o) against the
+    float64 reference: column blocks 1 (odd_kv), 2 (odd_v), 3 (wide_v), 4, 7 (v200), 8 (cp_width_v256); K=64 and 128;
+    varlen with empty sequences; extreme gates; GVA; initial state; T2048 (32 chunks: every buffer reused ~10
+    times). fp32 inputs fall back to the single kernel (a smoke test of the fallback)."""
+    if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    if dtype == torch.float32 and case not in ("T200", "varlen"):
+        pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "7")
+    run_case(family, case, dtype, h0_on=case not in ("T1",))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["T1", "T65", "T200", "T2048", "extreme_gates", "extreme_gates_div_0.1", "gva_4x",
+                                  "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen",
+                                  "varlen_extreme"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_scan5_vs_scan3(family, case, dtype, monkeypatch):
+    """The warp-specialized scan (7) against the bulk-prefetch scan (4) in one process, same prep and workspace: the
+    recurrence runs scan3's U and h products in scan3's order, and the output warps scan3's o products (tf32 of the
+    same fp32 h_c and U_c, chains q~ h and A~ U summed at the end), so o and the final state are scan3's (to 1e-6;
+    expected bit-equal)."""
+    (o4, s4), (o7, s7) = fwd_per_knob(family, case, dtype, "ws_bf16", "KDA_CUDA_CHUNK_SCAN", ("4", "7"), monkeypatch)
+    assert torch.isfinite(o7.float()).all() and torch.isfinite(s7).all()
+    assert_close("final_state (scan5 vs scan3)", s4.cpu(), s7.cpu(), 1e-6)
+    assert_close("o (scan5 vs scan3)", o4.float().cpu(), o7.float().cpu(), 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 4096, 8, 16, 128, 128), (1, 8192, 2, 4, 64, 64), (3, 1000, 4, 8, 128, 96)],
+                         ids=["B2_T4096_HV16", "T8192_kv64", "B3_T1000_v96"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_scan5_vs_scan3_long(family, shape, monkeypatch):
+    """scan5 (7) against scan3 (4) on longer sequences (64 to 128 chunks, 128 blocks in flight at B2 HV16: the
+    recurrence and output warps of many blocks race for the SMs' tensor cores; the output warps may lag by up to two
+    chunks) with an initial state: o and the final state agree to 1e-6, and a second scan5 call gives the same bits
+    (no race between the warp groups)."""
+    B, T, H, HV, K, V = shape
+    q, k, v, g, beta = make(family, B=B, T=T, H=H, HV=HV, K=K, V=V, seed=3)
+    h0 = (torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    out = {}
+    for mode in ("4", "7"):
+        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
+        out[mode] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
+    o7b, s7b = fn(q, k, v, g, beta, K ** -0.5, h0, None)
+    (o4, s4), (o7, s7) = out["4"], out["7"]
+    assert torch.isfinite(o7.float()).all() and torch.isfinite(s7).all()
+    assert_close("final_state (scan5 vs scan3)", s4.cpu(), s7.cpu(), 1e-6)
+    assert_close("o (scan5 vs scan3)", o4.float().cpu(), o7.float().cpu(), 1e-6)
+    assert torch.equal(o7, o7b) and torch.equal(s7, s7b)

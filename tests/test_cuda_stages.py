@@ -171,12 +171,12 @@ def test_kda_bwd_prep4_matches_prep3(case, dtype, version, monkeypatch):
         assert differ, f"KDA_CUDA_CHUNK_BWD_PREP={version} gave bit-identical prep outputs: the knob had no effect?"
 
 
-@pytest.mark.parametrize("mode", ["5", "6"], ids=["split_f32", "split_bf16"])
+@pytest.mark.parametrize("mode", ["5", "6", "7"], ids=["split_f32", "split_bf16", "scan5_ws"])
 @pytest.mark.parametrize("case", ["T200_h0", "varlen_empty", "gva_correlated", "odd_dims"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_fwd_stages_match_one_call_split(family, case, mode, monkeypatch):
-    """Stage 1 with the split forward (KDA_CUDA_CHUNK_SCAN=5 / 6, chosen at stage 0) gives the one-call op's
-    result with the same knob."""
+    """Stage 1 with the split forward (KDA_CUDA_CHUNK_SCAN=5 / 6) or the warp-specialized scan (7), chosen at stage
+    0, gives the one-call op's result with the same knob."""
     monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
     x, h0, cu, _, _ = _inputs(family, case, torch.bfloat16)
     o1, f1 = getattr(OPS, f"{family}_chunk_fwd")(*x, h0, cu)

@@ -10,6 +10,8 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
         # (KDA_CUDA_KDA_PREP), no fla
     BENCH_CHUNK_SCAN=1,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # the single scan kernel (1) and the bulk-prefetch scan (4) in one process (KDA_CUDA_CHUNK_SCAN; 0: auto)
+    BENCH_CHUNK_SCAN=0,7 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # the default choice (0) and the warp-specialized scan5 (7, forced at every shape)
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -130,7 +132,8 @@ def main():
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # e.g. "0,1": KDA_CUDA_GDN_PREP values to time in turn
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
-    scans = os.environ.get("BENCH_CHUNK_SCAN")  # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk)
+    # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk, 5 / 6 split, 7 warp-specialized)
+    scans = os.environ.get("BENCH_CHUNK_SCAN")
     runs = [(f, x, sc) for f, x in runs for sc in (scans.split(",") if scans else [None])]
     for name, B, T, H, HV, lens in shapes:
         for fam, gdn_prep, scan in runs:

@@ -52,7 +52,7 @@ def kernel_times(fn, reps=5):
 KNOB_SWEEPS = [
     ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False,
      "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
-     "kernel, h_c and U_c stored fp32 / bf16"),
+     "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block)"),
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
      "0 the generic prep, 1 kda_chunk_prep v1, 2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 "
      "inputs"),

@@ -12,6 +12,8 @@
 // 5 / 6 (opt-in): the split forward where scan3 applies -- the state-only scan delta_chunk_scan4_kernel storing each
 // chunk's start state h_c and U = u0 - w h (5: fp32, 6: bf16) in a per-call buffer, then delta_chunk_out_kernel
 // computing every chunk's o = q~ h_c + A~ U_c in parallel (chunk_scan_run); elsewhere as 4.
+// 7 (opt-in): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8 recurrence warps as scan4,
+// 8 output warps computing each chunk's o from shared h_c / U_c buffers); elsewhere as 4.
 #pragma once
 
 #include <vector>
@@ -19,6 +21,7 @@
 #include "delta_chunk_fwd.cuh"
 #include "delta_chunk_out.cuh"
 #include "delta_chunk_scan4.cuh"
+#include "delta_chunk_scan5.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "kda_chunk_prep.cuh"
 #include "kda_chunk_prep2.cuh"
@@ -124,6 +127,20 @@ void launch_chunk_scan3(const ChunkFwdParams& p, cudaStream_t st) {
   else launch_chunk_scan3_t<KP, 32>(p, st);
 }
 
+// Warp-specialized scan: grid (sequence, head, ceil(V / 32)); 16 warps, ~187 KB of dynamic shared memory at
+// KP = 128, one block per SM.
+template <int KP>
+void launch_chunk_scan5(const ChunkFwdParams& p, cudaStream_t st) {
+  using S = Scan5Smem<KP>;
+  auto kern = delta_chunk_scan5_kernel<KP>;
+  allow_dynamic_smem(kern, S::bytes);
+  TORCH_CHECK(p.ws_stride % 4 == 0, "scan5: workspace slices must be 16-byte aligned");
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
+  kern<<<grid, kScan5Threads, S::bytes, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
 template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
@@ -144,7 +161,10 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
 template <int KP, bool PRECISE>
 void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
-    if constexpr (!PRECISE) launch_chunk_scan3<KP>(p, st);
+    if constexpr (!PRECISE) {
+      if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
+      else launch_chunk_scan3<KP>(p, st);
+    }
     return;
   }
   // the single scan kernel (o inside the sequential loop); 16 columns per block when 32 would leave SMs idle
@@ -273,8 +293,9 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = (scan_mode == 4 || scan_mode == 5 || scan_mode == 6) ? 1 : 0;  // see the top of this file
+  p.scan3 = (scan_mode >= 4 && scan_mode <= 7) ? 1 : 0;  // see the top of this file
   p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
+  p.scan_ws = scan_mode == 7 ? 1 : 0;
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));

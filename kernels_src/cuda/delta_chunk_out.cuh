@@ -105,14 +105,7 @@ __global__ void __launch_bounds__(kOutThreads, 4) delta_chunk_out_kernel(const C
       const float x = a0[nt][2 * h] + a1[nt][2 * h], y = a0[nt][2 * h + 1] + a1[nt][2 * h + 1];
       if (r >= L || c >= V) continue;
       const int64_t i = ((tok0 + r) * HV + hv) * V + c;  // even when V is
-      if (pair && p.in_dtype == kBF16) {
-        reinterpret_cast<__nv_bfloat162*>(p.o)[i >> 1] = __floats2bfloat162_rn(x, y);
-      } else if (pair) {
-        reinterpret_cast<__half2*>(p.o)[i >> 1] = __floats2half2_rn(x, y);
-      } else {
-        store_in(p.o, i, p.in_dtype, x);
-        if (c + 1 < V) store_in(p.o, i + 1, p.in_dtype, y);
-      }
+      store_o2(p.o, i, p.in_dtype, pair, x, y, c + 1 < V);
     }
 }
 
