@@ -243,3 +243,15 @@ def test_gradients_assembled_once(kda, monkeypatch):
     assert names.count("SplitWithSizesBackward0") == 6, names  # q, k, v, g, beta, initial_state
     assert not any("Slice" in n or "CopySlices" in n or "Index" in n for n in names), names
     assert spec[7] == 6
+
+
+def test_memory_model_plans_the_same_windows(kda):
+    # tests/cuda_mem_model.py keeps a copy of the plan (pure Python, no package import) for its peak prediction
+    from cuda_mem_model import train_window_peak, train_windows
+    for B, T, HV, knob in [(1, 8192, 32, -1), (4, 4096, 32, -1), (1, 32768, 32, -1), (1, 8200, 32, -1),
+                           (5, 100, 4, 256), (3, 150, 4, 100), (1, 200, 4, 64), (7, 1000, 2, 300), (2, 40, 4, 8),
+                           (1, 2048, 32, -1), (8, 1024, 16, -1), (2, 4096, 8, 0)]:
+        assert train_windows(B, T, HV, knob) == kda.api.train_windows(B, T, HV, "cuda", knob=knob), (B, T, HV, knob)
+    assert train_window_peak("kda", 1, 2048, 16, 32, 128, 128) is None  # one window: not windowed
+    peak, parts = train_window_peak("kda", 1, 8192, 16, 32, 128, 128)
+    assert parts["windows"] == 4 and peak < 900 * 2 ** 20  # the model's claim at issue #7's shape
