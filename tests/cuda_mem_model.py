@@ -120,7 +120,8 @@ def train_windows(B, T, HV, knob):
     return [(b, 1, t0, min(per, T - t0)) for b in range(B) for t0 in range(0, T, per)]
 
 
-def train_window_peak(fam, B, T, H, HV, K, V, dt=2, knob=-1, free=True, dg_per_head=True, initial_state=False):
+def train_window_peak(fam, B, T, H, HV, K, V, dt=2, knob=-1, free=True, dg_per_head=True, initial_state=False,
+                      block=None, fwd_ws=None):
     """Predicted peak above the inputs (bytes) of one public forward + backward with the autograd-level windows
     (KDA_TRAIN_WINDOW=knob; output_final_state=True, the cotangent of the final state given; the CUDA host's own
     windows off), and its parts. None when the call is not windowed.
@@ -129,7 +130,15 @@ def train_window_peak(fam, B, T, H, HV, K, V, dt=2, knob=-1, free=True, dg_per_h
     concatenation (every o piece + o). Backward, window i (last first): o and the final state (the caller's), the
     window-start states still saved (those of windows <= i), the dh carried into it, the gradients the windows after
     it returned (held for the one concatenation per input), and the window's own backward (block_peak); at the
-    end, the concatenation of each input's gradient (every piece + the largest full gradient)."""
+    end, the concatenation of each input's gradient (every piece + the largest full gradient). block(nb, nt) and
+    fwd_ws(nb, nt) replace the CUDA host's backward peak and forward workspace of one window (bytes; the CPU test of
+    this accounting runs a stand-in op with known allocations)."""
+    if block is None:
+        def block(nb, nt):
+            return block_peak(fam, nb, nt, H, HV, K, V, dt, free, dg_per_head)[0]
+    if fwd_ws is None:
+        def fwd_ws(nb, nt):
+            return fwd_ws_bytes(nb, nt, HV, V)
     plan = train_windows(B, T, HV, knob)
     if not plan:
         return None
@@ -141,7 +150,7 @@ def train_window_peak(fam, B, T, H, HV, K, V, dt=2, knob=-1, free=True, dg_per_h
     saved = [t0 > 0 for (_, _, t0, _) in plan]  # window i saved the previous window's final state
     fwd = 0
     for i, (_, nb, _, nt) in enumerate(plan):  # every earlier o piece and final state is still alive
-        fwd = max(fwd, sum(o_w[:i]) + sum(ht_w[:i]) + fwd_ws_bytes(nb, nt, HV, V) + o_w[i] + ht_w[i])
+        fwd = max(fwd, sum(o_w[:i]) + sum(ht_w[:i]) + fwd_ws(nb, nt) + o_w[i] + ht_w[i])
     fwd = max(fwd, sum(o_w) + sum(ht_w) + o_full)  # o's concatenation
     kept_states = sum(ht_w[i - 1] for i in range(len(plan)) if saved[i])
     finals = sum(ht_w[j] for j in range(len(plan)) if last[j])
@@ -164,14 +173,12 @@ def train_window_peak(fam, B, T, H, HV, K, V, dt=2, knob=-1, free=True, dg_per_h
         states = sum(ht_w[j - 1] for j in range(i + 1) if saved[j])
         carried = ht_w[i] if not last[i] else 0  # the dh0 of window i + 1 (the last's is the caller's dht)
         held = sum(ret(j) for j in range(i + 1, len(plan)))
-        bp, _ = block_peak(fam, nb, nt, H, HV, K, V, dt, free, dg_per_head)
-        at.append(o_full + s_full + states + carried + held + bp)
+        at.append(o_full + s_full + states + carried + held + block(nb, nt))
     bwd = max(at)
     end = o_full + s_full + sum(ret(j) for j in range(len(plan))) + max(full.values())
     peak = max(fwd, bwd, end)
     return peak, dict(forward=fwd, backward=bwd, concat=end, windows=len(plan), window=plan[0][3],
-                      window_seqs=plan[0][1], block=max(block_peak(fam, nb, nt, H, HV, K, V, dt, free, dg_per_head)[0]
-                                                        for (_, nb, _, nt) in plan),
+                      window_seqs=plan[0][1], block=max(block(nb, nt) for (_, nb, _, nt) in plan),
                       grads=sum(full.values()), states=kept_states)
 
 

@@ -255,3 +255,95 @@ def test_memory_model_plans_the_same_windows(kda):
     assert train_window_peak("kda", 1, 2048, 16, 32, 128, 128) is None  # one window: not windowed
     peak, parts = train_window_peak("kda", 1, 8192, 16, 32, 128, 128)
     assert parts["windows"] == 4 and peak < 900 * 2 ** 20  # the model's claim at issue #7's shape
+
+
+# ---------------------------------------------------------------- the memory model's autograd accounting
+class _StandIn(torch.autograd.Function):
+    """A core op with known allocations (no math): the forward a workspace of WS bytes while it runs, then o and
+    the final state; the backward a work buffer of WORK bytes alive while its outputs are allocated."""
+    WS, WORK = 3 << 20, 5 << 20
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0):
+        ws = torch.empty(_StandIn.WS, dtype=torch.uint8)
+        B, T, HV, V = v.shape
+        o = torch.zeros(B, T, HV, V, dtype=v.dtype)
+        h = torch.zeros(B, HV, q.shape[3], V, dtype=torch.float32)
+        del ws
+        ctx.has_h0 = h0 is not None
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        return o, h
+
+    @staticmethod
+    def backward(ctx, do, dh):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        work = torch.empty(_StandIn.WORK, dtype=torch.uint8)
+        grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
+        dh0 = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
+        del work
+        return (*grads, dh0 if ctx.has_h0 else None)
+
+
+class _StandInOps:
+    def __getattr__(self, name):
+        assert name.endswith("_chunk_fwd"), name
+        return lambda q, k, v, g, beta, scale, h0, cu: _StandIn.apply(q, k, v, g, beta, h0)
+
+
+def _cpu_peak(fn):
+    """Peak bytes allocated on the CPU above what existed before fn (the profiler's memory timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    cur = peak = 0
+    for _, action, (key, _), size in MemoryProfileTimeline(prof._memory_profile()).timeline:
+        if key.device.type != "cpu":
+            continue
+        if action == Action.CREATE:
+            cur += size
+        elif action == Action.DESTROY:
+            cur -= size
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("regime", ["backward", "forward", "concat"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+@pytest.mark.parametrize("shape", [(1, 1024, 2, 4, 256), (4, 512, 2, 4, 256), (6, 128, 1, 2, 256)],
+                         ids=["B1_time", "B4_time", "B6_groups"])
+def test_memory_model_autograd_accounting(kda, family, shape, regime, monkeypatch):
+    # cuda_mem_model.train_window_peak's autograd part (o pieces, saved start states, carried dh, gradients held
+    # for one concatenation per input, the concatenations) against the CPU allocator's measured peak of one
+    # public forward + backward whose core op is a stand-in with known allocations: equal to the byte, with the
+    # stand-in's buffers sized so that each phase is the peak in turn
+    from cuda_mem_model import train_window_peak
+    ws, work = {"backward": (3 << 20, 5 << 20), "forward": (40 << 20, 0), "concat": (0, 0)}[regime]
+    monkeypatch.setattr(_StandIn, "WS", ws)
+    monkeypatch.setattr(_StandIn, "WORK", work)
+    B, T, H, HV, knob = shape
+    K = V = 64
+    monkeypatch.setattr(kda.api, "ops", _StandInOps())
+    monkeypatch.setenv("KDA_TRAIN_WINDOW", str(knob))
+    xs = make_inputs(family, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=torch.bfloat16)
+    leaves = [xs[n].requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+    do = torch.randn(B, T, HV, V).bfloat16()
+    dht = torch.randn(B, HV, K, V)
+    fn = kda.chunk_kda if family == "kda" else kda.chunk_gated_delta_rule
+
+    def fwdbwd():
+        o, s = fn(*leaves, output_final_state=True)
+        return torch.autograd.grad((o, s), leaves, (do, dht))
+
+    fwdbwd()
+    measured = _cpu_peak(fwdbwd)
+
+    def block(nb, nt):  # the stand-in backward: work + its outputs (dq, dk bf16 [n,H,K], dv, dg, dbeta fp32, dh0)
+        n = nb * nt
+        return (_StandIn.WORK + 2 * n * H * K * 2 + n * HV * V * 2 + n * HV * (K if family == "kda" else 1) * 4
+                + n * HV * 4 + nb * HV * K * V * 4)
+
+    pred, parts = train_window_peak(family, B, T, H, HV, K, V, knob=knob, block=block,
+                                    fwd_ws=lambda nb, nt: _StandIn.WS)
+    assert parts["windows"] >= 2
+    assert measured == pred, (measured, pred, parts)

@@ -6,8 +6,8 @@
 # windows side by side at B1 T8192 H16 HV32, B4 T4096 H=HV=32, B1 T32768 H16 HV32. Everything under $OUT.
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 [ "${SKIP_BUILD:-0}" = 1 ] || build_cuda 16
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} -p no:cacheprovider tests/test_cuda_train_windows.py \
-  tests/test_cuda_chunk_bwd_mem.py -k "windows or peak" > "$OUT/tests_win9.log" 2>&1
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -n ${XDIST:-8} -p no:cacheprovider \
+  tests/test_cuda_train_windows.py tests/test_cuda_chunk_bwd_mem.py -k "windows or peak" > "$OUT/tests_win9.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests_win9.log"
 timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/cuda/mem_chunk_bwd.py > "$OUT/mem_win9.jsonl" 2> "$OUT/mem_win9.err"
 echo "bench rc=$?"; cat "$OUT/mem_win9.jsonl" | python3 -c "
