@@ -86,3 +86,31 @@ def test_compile_inductor_forward(kda):
     ref = f(q, k, v, g, beta, h0)
     out = torch.compile(f, fullgraph=True)(q, k, v, g, beta, h0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_fullgraph_training_windows(kda, monkeypatch):
+    # KDA_TRAIN_WINDOW (docs/ops.md): the windowed forward (splits, one core op per window, concatenation) traces
+    # with fullgraph=True, forward and backward, no graph break, and gives the unwindowed eager results
+    monkeypatch.setenv("KDA_TRAIN_WINDOW", "64")
+    q, k, v, g, beta, h0 = _inputs(B=2, T=150)
+    gq = F.logsigmoid(torch.randn(2, 150, 4))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    monkeypatch.setenv("KDA_TRAIN_WINDOW", "0")
+    eager_loss = _loss(kda, *leaves, gq)
+    eager_grads = torch.autograd.grad(eager_loss, leaves)
+    monkeypatch.setenv("KDA_TRAIN_WINDOW", "64")
+    calls = []
+    real = kda.api.train_windows
+    monkeypatch.setattr(kda.api, "train_windows", lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(_loss_only(kda, gq), fullgraph=True, backend="aot_eager")
+    leaves2 = [x.detach().clone().requires_grad_(True) for x in leaves]
+    loss = compiled(*leaves2)
+    loss.backward()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert calls and all(len(p) == 6 for p in calls), calls  # 2 sequences x 3 windows (64, 64, 22), traced
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for a, b in zip(leaves2, eager_grads):
+        torch.testing.assert_close(a.grad, b, rtol=1e-4, atol=1e-5)

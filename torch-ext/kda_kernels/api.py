@@ -4,6 +4,8 @@ Each function validates its arguments, applies the optional pre-processing of se
 PyTorch ops (q/k L2 norm, beta sigmoid, fused gate), puts states into the K-first layout and calls one core
 op (docs/ops.md), which runs the native kernel of the tensors' device when this build has one.
 """
+import os
+
 import torch
 
 from . import _validate
@@ -85,8 +87,92 @@ def _chunk(op, family, q, k, v, g, beta, scale, initial_state, output_final_stat
     _validate.check_state(op, "initial_state", initial_state, N, HV, K, V, state_v_first, q.device)
     cu = cu_seqlens.to(torch.long).contiguous() if cu_seqlens is not None else None
     fwd = getattr(ops, f"{family}_{mode}_fwd")
-    o, final_state = fwd(q, k, v, g, beta, scale, _to_k_first(initial_state, state_v_first), cu)
+    h0 = _to_k_first(initial_state, state_v_first)
+    plan = []
+    if mode == "chunk" and cu is None and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
+        plan = train_windows(B, T, HV, q.device.type)
+    if plan:
+        o, final_state = _windowed_fwd(fwd, plan, q, k, v, g, beta, scale, h0, output_final_state)
+    else:
+        o, final_state = fwd(q, k, v, g, beta, scale, h0, cu)
     return o, (_from_k_first(final_state, state_v_first) if output_final_state else None)
+
+
+# ---------------------------------------------------------------- training windows (docs/ops.md)
+# A long training call runs its forward as consecutive windows of the token axis through the same core op, each
+# window starting from the previous one's final state. Autograd then runs the windows' backward ops one at a
+# time, last first, each with the state it saved at its start (no recompute) and the dh0 of the window after it as
+# grad_final_state, so the backward's working memory is one window's instead of the whole call's.
+TRAIN_WINDOW_ENV = "KDA_TRAIN_WINDOW"
+# The knob's value when the environment does not set it: 0 = off; -1 = automatic size (applied on CUDA tensors
+# only when it comes from this default; an explicit KDA_TRAIN_WINDOW applies on every device).
+TRAIN_WINDOW_DEFAULT = 0
+_WINDOW_TOKEN_HEADS = 65536  # the CUDA host's kBwdWindowTokenHeads (delta_chunk_bwd_host.cuh)
+_CHUNK = 64
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _train_window_knob(device_type):
+    raw = os.environ.get(TRAIN_WINDOW_ENV, "").strip()
+    if not raw:
+        return TRAIN_WINDOW_DEFAULT if device_type == "cuda" else 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{TRAIN_WINDOW_ENV} must be an integer (tokens per window; -1 automatic, 0 off), "
+                         f"got {raw!r}") from None
+
+
+def train_windows(B, T, HV, device_type, knob=None):
+    """The windows [(b0, nb, t0, nt), ...] of a fixed-length training call (sequences b0:b0+nb, tokens t0:t0+nt),
+    in order; [] for none. knob None reads KDA_TRAIN_WINDOW: N > 0 = at most about N tokens (all sequences of a
+    window together) per window, -1 = automatic (N = B * max(512, 65536 // (B * HV)), the token-heads of the CUDA
+    backward's windows), 0 or unset = off (TRAIN_WINDOW_DEFAULT). Sequences are independent, so a batch is cut into
+    groups of whole sequences first (each group's slice of a contiguous [B, T, ...] tensor is contiguous); a sequence
+    longer than N runs alone, cut in time into balanced windows that start at multiples of the chunk (64 tokens),
+    so every window's chunks are the unwindowed call's."""
+    if knob is None:
+        knob = _train_window_knob(device_type)
+    if knob == 0 or knob < -1 or B <= 0 or T <= 0:
+        return []
+    budget = B * max(512, _WINDOW_TOKEN_HEADS // (B * HV)) if knob == -1 else knob
+    if B * T <= budget:
+        return []
+    if T <= budget or T <= _CHUNK:
+        nb = _cdiv(B, _cdiv(B, max(1, budget // T)))  # balanced groups: B = 5, at most 2 -> 2, 2, 1
+        return [(b0, min(nb, B - b0), 0, T) for b0 in range(0, B, nb)]
+    nw = _cdiv(T, _cdiv(budget, _CHUNK) * _CHUNK)
+    per = _cdiv(_cdiv(T, nw), _CHUNK) * _CHUNK  # balanced: T = 8200, N = 2048 -> 5 windows of 1664 (last 1544)
+    return [(b, 1, t0, min(per, T - t0)) for b in range(B) for t0 in range(0, T, per)]
+
+
+def _windowed_fwd(fwd, plan, q, k, v, g, beta, scale, h0, output_final_state):
+    """The core forward op window by window (plan from train_windows). Inputs are cut with one torch.split each
+    over the flattened (batch, time) axis, so each input's gradient is assembled by one concatenation; o likewise."""
+    B, T = q.shape[0], q.shape[1]
+    sizes = [nb * nt for (_, nb, _, nt) in plan]
+    cut = [torch.split(x.reshape((B * T,) + tuple(x.shape[2:])), sizes) for x in (q, k, v, g, beta)]
+    starts = [nb for (_, nb, t0, _) in plan if t0 == 0]
+    h0s = torch.split(h0, starts) if h0 is not None else [None] * len(starts)
+    outs, finals, group = [], [], -1
+    h = None
+    for i, (_, nb, t0, nt) in enumerate(plan):
+        if t0 == 0:
+            group += 1
+            h = h0s[group]
+        xs = [c[i].view((nb, nt) + tuple(c[i].shape[1:])) for c in cut]
+        o_w, h = fwd(*xs, scale, h, None)
+        outs.append(o_w.view((nb * nt,) + tuple(o_w.shape[2:])))
+        if t0 + nt == T:
+            finals.append(h)
+    o = torch.cat(outs).view((B, T) + tuple(outs[0].shape[1:]))
+    if not output_final_state:
+        return o, None
+    return o, (finals[0] if len(finals) == 1 else torch.cat(finals))
 
 
 # Positional order: flash-linear-attention 0.6.0's, argument for argument, as far as its own list goes (so calls
