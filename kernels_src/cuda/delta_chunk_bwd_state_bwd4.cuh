@@ -50,14 +50,14 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd4_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using L = Sb3Smem;
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
-  extern __shared__ __align__(128) float sm[];
+  extern __shared__ __align__(128) float sm4b[];
   // mbarriers: K Eend + w of buffer 0 / 1 (bar0, bar0 + 8), A_qk + Q Gam + Gam_last (bar0 + 16)
-  const uint32_t bar0 = smem_u32(reinterpret_cast<unsigned char*>(sm) + StateBwd4Smem::bar_off);
-  float* qgs = sm + L::qg;
-  float* aqs = sm + L::aqk;
-  float* gls = sm + L::gl;
-  float* dss = sm + L::ds;
-  float* ous = sm + L::ou;
+  const uint32_t bar0 = smem_u32(reinterpret_cast<unsigned char*>(sm4b) + StateBwd4Smem::bar_off);
+  float* qgs = sm4b + L::qg;
+  float* aqs = sm4b + L::aqk;
+  float* gls = sm4b + L::gl;
+  float* dss = sm4b + L::ds;
+  float* ous = sm4b + L::ou;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
   const int gq = lane >> 2, t4 = lane & 3;
   const int cw = 16 * wc;        // the warp's first column in the block's VS
@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd4_kernel(Params p) {
   // warp 0 only: lane 0 arms the mbarrier, then the lanes copy one shared row per bulk copy (rows lane, lane + 32)
   auto issue_g1 = [&](int cid, int b) {  // K Eend and w of chunk cid into buffer b
     const uint32_t bar = bar0 + 8 * b;
-    const uint32_t ke = smem_u32(sm + L::kend + b * CH * kSb3LdKe);
-    const uint32_t ww = smem_u32(sm + L::w + b * CH * kSb3LdT);
+    const uint32_t ke = smem_u32(sm4b + L::kend + b * CH * kSb3LdKe);
+    const uint32_t ww = smem_u32(sm4b + L::w + b * CH * kSb3LdT);
     const float* ksrc = p.kendc + tile(cid);
     const float* wsrc = p.wc + tile(cid);
     sb4_fence_proxy_async();
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd4_kernel(Params p) {
 
     // ---- dU += (K Eend) dS1 (B: the dS1 copy); two k-chains per tile
     {
-      const uint32_t ke = smem_u32(sm + L::kend + b * CH * kSb3LdKe + lrow * kSb3LdKe + lcol);
+      const uint32_t ke = smem_u32(sm4b + L::kend + b * CH * kSb3LdKe + lrow * kSb3LdKe + lcol);
       float am[2][2][4], ac[2][2][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd4_kernel(Params p) {
 
     // ---- dS0 = (the above) - w^T dU
     {
-      const float* ww = sm + L::w + b * CH * kSb3LdT;
+      const float* ww = sm4b + L::w + b * CH * kSb3LdT;
       float zm[2][2][4], zc[2][2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
