@@ -12,7 +12,9 @@
 #include "delta_chunk_bwd_prep.cuh"
 #include "delta_chunk_bwd_prep4.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
+#include "delta_chunk_bwd_state_fwd4.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
+#include "delta_chunk_bwd_state_bwd4.cuh"
 #include "delta_chunk_bwd_grad3_wy2.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
@@ -95,7 +97,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
-    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
+    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
+    // 5 = state_fwd4 (session 9, off by default; sm_90+, else mode 4): state_fwd3's tf32 results bit for bit, its
+    // operands by cp.async.bulk + mbarriers and ldmatrix (delta_chunk_bwd_state_fwd4.cuh)
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
@@ -103,6 +107,8 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
     // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
     // fp32 inputs)
+    // 5 / 6 = state_bwd4 with tf32 / 3xTF32 products (session 9, off by default; sm_90+, else 4 / 3): state_bwd3's
+    // results bit for bit, its operands by cp.async.bulk + mbarriers and ldmatrix (delta_chunk_bwd_state_bwd4.cuh)
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
@@ -223,7 +229,13 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
   if (!bwd_v2(work)) {
     cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
+  } else if (mode == 5 && p.in_dtype != kF32 && cc_major() >= 9) {
+    // state_fwd4 (delta_chunk_bwd_state_fwd4.cuh): bulk copies, sm_90+; state_fwd3's shared memory + 32 bytes
+    static_assert(cb::kStateFwd4Smem <= cb::kGradSmem, "state_fwd4 needs more shared memory than kGradSmem");
+    auto kern = cb::state_fwd4_kernel<PC>;
+    allow_dynamic_smem(kern, cb::kStateFwd4Smem);
+    kern<<<gseq, cb::kSf4Threads, cb::kStateFwd4Smem, st>>>(p);
+  } else if ((mode == 3 || mode == 4 || mode == 5) && p.in_dtype != kF32) {
     // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
     // (within kGradSmem, which every chunked backward checks the device for before its first stage)
     auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
@@ -245,8 +257,14 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
   // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
   // kGradSmem, which every chunked backward checks the device for before its first stage)
-  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32) {
-    auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
+  if (bwd_v2(work) && (mode == 5 || mode == 6) && p.in_dtype != kF32 && cc_major() >= 9) {
+    // state_bwd4 (delta_chunk_bwd_state_bwd4.cuh): bulk copies, sm_90+; state_bwd3's shared memory + 24 bytes
+    static_assert(cb::kStateBwd4Smem <= cb::kGradSmem, "state_bwd4 needs more shared memory than kGradSmem");
+    auto kern = mode == 6 ? cb::state_bwd4_kernel<PC, true> : cb::state_bwd4_kernel<PC, false>;
+    allow_dynamic_smem(kern, cb::kStateBwd4Smem);
+    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd4Smem, st>>>(p);
+  } else if (bwd_v2(work) && (mode >= 3 && mode <= 6) && p.in_dtype != kF32) {
+    auto kern = (mode == 3 || mode == 6) ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
   } else if (bwd_v2(work)) {
