@@ -186,9 +186,9 @@ def _serve_fast(family, q, k, v, g, beta, scale, pool, idx, output_final_state, 
 
     Every attribute read costs ~0.2 us and runs cold after a decode step (the state sweep evicts the
     interpreter's caches), so the checks here are one pass over plain attributes, no tensor ops, no messages.
-    On this build's own CPU kernel, the checks that kernel repeats (devices, contiguity, dtypes, shapes, index
-    range; all before it touches memory) are left to it: a RuntimeError from it sends the call to the full path,
-    which raises the clear error (or, for input it converts, e.g. int32 indices, runs it)."""
+    On this build's own CPU kernel, once every tensor is on the CPU, the checks that kernel repeats (contiguity,
+    dtypes, shapes, index range; all before it touches memory) are left to it: a RuntimeError from it sends the
+    call to the full path, which raises the clear error (or runs input it converts, e.g. int32 indices)."""
     T_ = _Tensor
     if (type(q) is not T_ or type(k) is not T_ or type(v) is not T_ or type(g) is not T_ or type(beta) is not T_
             or type(pool) is not T_ or type(idx) is not T_):
@@ -211,7 +211,10 @@ def _serve_fast(family, q, k, v, g, beta, scale, pool, idx, output_final_state, 
         return None
     if _validate._tracing():
         return None
-    native = _CPU_KERNEL_CHECKS and q.is_cpu
+    # all on the CPU, so that dispatch reaches the CPU kernel (a meta or CUDA tensor among them would pick
+    # another kernel, which need not check)
+    native = (_CPU_KERNEL_CHECKS and q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu and pool.is_cpu
+              and idx.is_cpu)
     if not native:
         if k.shape != qs or vs[0] != B or vs[1] != T:
             return None
@@ -235,10 +238,10 @@ def _serve_fast(family, q, k, v, g, beta, scale, pool, idx, output_final_state, 
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
                 and beta.is_contiguous() and pool.is_contiguous() and idx.is_contiguous()):
             return None
+    if idx.dim() != 1:  # [N, T] per-token rows: the full path checks every row
+        return None
     if B > 1 or not native:
         # the index values (one host read): rows < P, no pool row written twice (negative rows are padding)
-        if idx.dim() != 1:
-            return None
         rows = idx.tolist()
         if max(rows) >= pool.shape[0]:
             return None
