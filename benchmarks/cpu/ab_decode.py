@@ -75,9 +75,9 @@ def thread_scaling(mod, family, H, rounds):
                 t0 = time.perf_counter_ns()
                 op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
                 best[n] = min(best[n], time.perf_counter_ns() - t0)
-    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread {best[1] / 1e3:7.1f} us "
-          f"({best[1] / 1e3 / H:.2f} us/head)   2 threads {best[2] / 1e3:7.1f} us   x{best[1] / best[2]:.2f}",
-          flush=True)
+    one, two = best[1], best[2]
+    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread {one / 1e3:7.1f} us ({one / 1e3 / H:.2f} us/head)"
+          f"   2 threads {two / 1e3:7.1f} us   x{one / two:.2f}", flush=True)
 
 
 def main():
