@@ -350,3 +350,66 @@ def test_failed_call_leaves_pool_unchanged(variant, family, grad, case):
     with torch.set_grad_enabled(grad), pytest.raises(exc):
         decode_fn(variant, family)(**ins)
     assert torch.equal(pool, before), f"a failed call ({case}) modified the pool"
+
+
+# ---------------------------------------------------------------- one sequence (the API's decode fast path)
+def _bad_calls_one_sequence(x):
+    """B=1 calls: on the native CPU build the fast path leaves these checks to the kernel, whose RuntimeError
+    must still reach the user as the full path's error, with the pool unchanged."""
+    return [
+        ("index_out_of_range", dict(ssm_state_indices=torch.tensor([P])), ValueError),
+        ("per_token_row_out_of_range", dict(ssm_state_indices=torch.tensor([[1, P]])), ValueError),
+        ("indices_wrong_length", dict(ssm_state_indices=torch.tensor([1, 4])), ValueError),
+        ("float_indices", dict(ssm_state_indices=torch.tensor([1.0])), TypeError),
+        ("q_float64", dict(q=x["q"].double()), TypeError),
+        ("k_wrong_shape", dict(k=x["k"][:, :, :, :-1]), ValueError),
+        ("v_on_other_device", dict(v=x["v"].to("meta")), ValueError),
+        ("pool_wrong_shape", dict(initial_state=make_pool()[:, :1]), ValueError),
+        ("pool_int", dict(initial_state=make_pool().to(torch.int32)), TypeError),
+        ("scale_nan", dict(scale=float("nan")), ValueError),
+        ("scale_zero", dict(scale=0.0), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _bad_calls_one_sequence(make_inputs("gdn", B=1, T=2, HV=HV, K=K,
+                                                                                        V=V))])
+@FAMILIES
+def test_one_sequence_bad_call_raises_and_leaves_pool_unchanged(variant, family, case):
+    x = make_inputs(family, B=1, T=2, HV=HV, K=K, V=V, seed=16)
+    _, override, exc = next(c for c in _bad_calls_one_sequence(x) if c[0] == case)
+    pool = make_pool()
+    args = dict(x, initial_state=pool, ssm_state_indices=torch.tensor([3]), inplace_final_state=True)
+    args.update(override)
+    before = args["initial_state"].clone()
+    with torch.no_grad(), pytest.raises(exc):
+        decode_fn(variant, family)(**args)
+    assert torch.equal(args["initial_state"], before), f"a failed call ({case}) modified the pool"
+
+
+@pytest.mark.parametrize("form", ["int32_indices", "strided_q", "bf16_g_beta", "strided_pool", "int_scale"])
+@FAMILIES
+def test_one_sequence_converted_inputs_match(variant, family, form):
+    """Valid B=1 calls the fast path hands to the full path (which converts them) give the plain call's result."""
+    x = make_inputs(family, B=1, T=1, HV=HV, K=K, V=V, seed=17)
+    idx = torch.tensor([3])
+    pool_a = make_pool()
+    o_a, _ = call(variant, family, x, pool_a, idx, scale=0.5 if form != "int_scale" else 1.0)
+    y, pool_b, kw = dict(x), make_pool(), {"scale": 0.5}
+    if form == "int32_indices":
+        idx = idx.to(torch.int32)
+    elif form == "strided_q":
+        y["q"] = torch.repeat_interleave(x["q"], 2, dim=-1)[..., ::2]
+    elif form == "bf16_g_beta":
+        y["g"], y["beta"] = x["g"].bfloat16(), x["beta"].bfloat16()
+        x = dict(x, g=y["g"].float(), beta=y["beta"].float())
+        pool_a = make_pool()
+        o_a, _ = call(variant, family, x, pool_a, idx, scale=0.5)
+    elif form == "strided_pool":
+        wide = torch.cat([make_pool(), make_pool()], dim=-1)
+        pool_b = wide[..., :V]
+    else:
+        kw = {"scale": 1}
+    o_b, _ = call(variant, family, y, pool_b, idx, **kw)
+    assert not y["q"].is_contiguous() or form != "strided_q"
+    assert torch.allclose(o_a, o_b, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(pool_a, pool_b, rtol=1e-6, atol=1e-6)

@@ -10,7 +10,8 @@ import torch
 
 from . import _validate
 from .gate import _gate
-from .ops import ops
+from . import _ops
+from .ops import NATIVE, ops
 
 # Keyword arguments flash-linear-attention or Transformers pass that change nothing here (safe_gate: our gates
 # are exact for any gate, bounded or not; the rest are fla's scheduling hints or Transformers' bookkeeping).
@@ -256,9 +257,111 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
     return idx if idx.dtype == torch.long and idx.is_contiguous() else idx.to(torch.long).contiguous()
 
 
+_Tensor = torch.Tensor
+_FLOAT_DTYPES = frozenset(_validate._FLOATS)
+_INF = float("inf")
+# This build's CPU kernels (kernels_src/cpu, recurrent_serve_entry) check every tensor's device, contiguity,
+# dtype and shape and the index range themselves, all before they read or write anything.
+_CPU_KERNEL_CHECKS = NATIVE and _ops.BACKEND == "cpu"
+
+
+def _serve_fast(family, q, k, v, g, beta, scale, pool, idx, output_final_state, state_v_first):
+    """The plain serving call (decode): [N] indices into a pool, fp32 g and beta, nothing to pre-process, no
+    gradient. Returns (o, state|None), or None on anything unusual or wrong: the full path (_recurrent below)
+    then handles the call or raises its error naming the argument and what was expected.
+
+    Every attribute read costs ~0.2 us and runs cold after a decode step (the state sweep evicts the
+    interpreter's caches), so the checks here are one pass over plain attributes, no tensor ops, no messages.
+    On this build's own CPU kernel, once every tensor is on the CPU, the checks that kernel repeats (contiguity,
+    dtypes, shapes, index range; all before it touches memory) are left to it: a RuntimeError from it sends the
+    call to the full path, which raises the clear error (or runs input it converts, e.g. int32 indices)."""
+    T_ = _Tensor
+    if (type(q) is not T_ or type(k) is not T_ or type(v) is not T_ or type(g) is not T_ or type(beta) is not T_
+            or type(pool) is not T_ or type(idx) is not T_):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                    or beta.requires_grad or pool.requires_grad):
+        return None
+    if g.dtype is not torch.float32 or beta.dtype is not torch.float32:
+        return None
+    qs = q.shape
+    if len(qs) != 4:
+        return None
+    B, T, H, K = qs
+    vs = v.shape
+    if K == 0 or len(vs) != 4 or vs[3] == 0 or B == 0:
+        return None
+    if scale is None:
+        scale = K ** -0.5
+    elif type(scale) is not float or not 0.0 < scale < _INF:
+        return None
+    if _validate._tracing():
+        return None
+    # all on the CPU, so that dispatch reaches the CPU kernel (a meta or CUDA tensor among them would pick
+    # another kernel, which need not check)
+    native = (_CPU_KERNEL_CHECKS and q.is_cpu and k.is_cpu and v.is_cpu and g.is_cpu and beta.is_cpu and pool.is_cpu
+              and idx.is_cpu)
+    if not native:
+        if k.shape != qs or vs[0] != B or vs[1] != T:
+            return None
+        HV = vs[2]
+        if H == 0 or HV % H:
+            return None
+        if g.shape != ((B, T, HV, K) if family == "kda" else (B, T, HV)) or beta.shape != (B, T, HV):
+            return None
+        ps = pool.shape
+        if (len(ps) != 4 or ps[1] != HV or (ps[2], ps[3]) != ((vs[3], K) if state_v_first else (K, vs[3]))
+                or idx.shape != (B,)):
+            return None
+        qd = q.dtype
+        if (qd not in _FLOAT_DTYPES or k.dtype is not qd or v.dtype is not qd or pool.dtype not in _FLOAT_DTYPES
+                or idx.dtype is not torch.long):
+            return None
+        dev = q.device
+        if (k.device != dev or v.device != dev or g.device != dev or beta.device != dev or pool.device != dev
+                or idx.device != dev):
+            return None
+        if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+                and beta.is_contiguous() and pool.is_contiguous() and idx.is_contiguous()):
+            return None
+    if idx.dim() != 1:  # [N, T] per-token rows: the full path checks every row
+        return None
+    if B > 1 or not native:
+        # the index values (one host read): rows < P, no pool row written twice (negative rows are padding)
+        rows = idx.tolist()
+        if max(rows) >= pool.shape[0]:
+            return None
+        writes = [r for r in rows if r >= 0]
+        if len(writes) != len(set(writes)):
+            return None
+    serve = getattr(ops, _SERVE_NAME[family])
+    serve = getattr(serve, "default", serve)
+    if native:
+        try:
+            o = serve(q, k, v, g, beta, scale, pool, idx, None, None, state_v_first)
+        except RuntimeError:
+            return None
+    else:
+        o = serve(q, k, v, g, beta, scale, pool, idx, None, None, state_v_first)
+    return o, (pool if output_final_state else None)
+
+
+_SERVE_NAME = {"kda": "kda_recurrent_serve", "gdn": "gdn_recurrent_serve"}
+
+
 def _recurrent(op, family, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, cu_seqlens,
                ssm_state_indices, num_accepted_tokens, inplace_final_state, state_v_first, A_log, dt_bias, kwargs):
+    if (ssm_state_indices is not None and inplace_final_state is True and not kwargs and cu_seqlens is None
+            and num_accepted_tokens is None and use_qk_l2norm_in_kernel is False and use_gate_in_kernel is False
+            and use_beta_sigmoid_in_kernel is False and (allow_neg_eigval is False or allow_neg_eigval is True)
+            and lower_bound is None and A_log is None and dt_bias is None
+            and (output_final_state is False or output_final_state is True)
+            and (state_v_first is False or state_v_first is True)):
+        out = _serve_fast(family, q, k, v, g, beta, scale, initial_state, ssm_state_indices, output_final_state,
+                          state_v_first)
+        if out is not None:
+            return out
     if ssm_state_indices is None:
         if num_accepted_tokens is not None:
             raise ValueError(f"[{op}] num_accepted_tokens needs ssm_state_indices")

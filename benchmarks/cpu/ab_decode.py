@@ -1,0 +1,101 @@
+"""Decode (T=1 serving step) microbenchmark of the cpu variant: public-API overhead and 1 vs 2 threads.
+
+    python benchmarks/cpu/ab_decode.py api [--rounds 30]            # public API vs the bare op, 1 thread
+    python benchmarks/cpu/ab_decode.py threads [--H 4 8 32]         # the op at 1 and 2 threads, by head count
+
+`api`: per round, fused_recurrent_kda / fused_recurrent_gated_delta_rule (ssm_state_indices=[0], in place, under
+torch.no_grad, as benchmark_cpu.py's "ours via public API") and the bare *_recurrent_serve op (also under no_grad)
+alternate, 20 calls each; the calling thread's CPU time (time.thread_time_ns) of one call, minimum over all.
+`threads`: the bare op with torch.set_num_threads(1) and (2) alternating per round, wall time (the work runs on
+OpenMP threads), minimum over all; H heads of a 128 x 128 fp32 state (64 KiB each; H=32 is the benchmark's 2 MiB).
+This VM drifts 20-40 % and its two cores are shared: read ratios of the same round, run a few times.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "cpu"))
+from benchmark_cpu import variants  # noqa: E402
+
+K = V = 128
+
+
+def inputs(family, H, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, H, K, generator=gen)
+    k = F.normalize(torch.randn(1, 1, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, 1, H, V, generator=gen)
+    g = F.logsigmoid(torch.randn((1, 1, H, K) if family == "kda" else (1, 1, H), generator=gen))
+    beta = torch.rand(1, 1, H, generator=gen)
+    pool = torch.randn(1, H, K, V, generator=gen) * 0.01
+    return q, k, v, g, beta, pool, torch.zeros(1, dtype=torch.long)
+
+
+def api_overhead(mod, family, rounds):
+    q, k, v, g, beta, pool, idx = inputs(family, 32)
+    fn = mod.fused_recurrent_kda if family == "kda" else mod.fused_recurrent_gated_delta_rule
+    op = getattr(mod.ops, f"{family}_recurrent_serve")
+
+    def api():
+        with torch.no_grad():
+            fn(q, k, v, g, beta=beta, initial_state=pool, ssm_state_indices=idx, inplace_final_state=True)
+
+    def bare():
+        with torch.no_grad():
+            op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
+
+    torch.set_num_threads(1)
+    best = {"api": float("inf"), "op": float("inf")}
+    for _ in range(rounds):
+        for name, f in (("api", api), ("op", bare)):
+            f()
+            for _ in range(20):
+                t0 = time.thread_time_ns()
+                f()
+                best[name] = min(best[name], time.thread_time_ns() - t0)
+    print(f"{family}: public API {best['api'] / 1e3:7.1f} us   bare op {best['op'] / 1e3:7.1f} us   "
+          f"API overhead {(best['api'] - best['op']) / 1e3:5.1f} us", flush=True)
+
+
+def thread_scaling(mod, family, H, rounds):
+    q, k, v, g, beta, pool, idx = inputs(family, H)
+    op = getattr(mod.ops, f"{family}_recurrent_serve").default
+    best = {1: float("inf"), 2: float("inf")}
+    for _ in range(rounds):
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for _ in range(3):
+                op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
+            for _ in range(20):
+                t0 = time.perf_counter_ns()
+                op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
+                best[n] = min(best[n], time.perf_counter_ns() - t0)
+    one, two = best[1], best[2]
+    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread {one / 1e3:7.1f} us ({one / 1e3 / H:.2f} us/head)"
+          f"   2 threads {two / 1e3:7.1f} us   x{one / two:.2f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["api", "threads"])
+    ap.add_argument("--families", default="kda,gdn")
+    ap.add_argument("--H", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--build-dir", type=Path, default=ROOT / "build")
+    args = ap.parse_args()
+    mod, _ = variants(args.build_dir.resolve())
+    for family in args.families.split(","):
+        if args.what == "api":
+            api_overhead(mod, family, args.rounds)
+        else:
+            for H in args.H:
+                thread_scaling(mod, family, H, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
