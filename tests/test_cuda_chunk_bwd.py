@@ -52,10 +52,17 @@ WY2_CASES = {
     "k96_v96_varlen": dict(H=2, HV=2, K=96, V=96, cu=[0, 0, 64, 64, 129, 200]),
 }
 
+# shapes for the GVA reduce kernel only (G = HV / H value heads per key head; K % 4 != 0 runs its scalar instance)
+GVA_CASES = {
+    "gva_h2_g2": dict(B=2, T=130, H=2, HV=4, K=128, V=64),
+    "gva_g3_k30": dict(B=1, T=70, H=2, HV=6, K=30, V=20),
+    "gva_g8_varlen": dict(H=1, HV=8, K=64, V=32, cu=[0, 0, 50, 50, 177]),
+}
+
 
 def _run(family, case, dtype, with_state=True, g_fill=None):
     # g_fill: the -20 gates of an extreme case set to this value instead (e.g. -1e4: e^g = 0 exactly)
-    spec = dict(CASES[case] if case in CASES else WY2_CASES[case])
+    spec = dict(CASES[case] if case in CASES else {**WY2_CASES, **GVA_CASES}[case])
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
@@ -132,7 +139,7 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     `seed`: two calls with one seed see the same ones). Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
     T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly), T200_gates_50[_rows]
     at -50 (_gates_50)."""
-    spec = dict(CASES[case]) if case in CASES else dict(WY2_CASES.get(case, dict(B=1, T=200, H=1, HV=2)))
+    spec = dict(CASES[case]) if case in CASES else dict({**WY2_CASES, **GVA_CASES}.get(case, dict(B=1, T=200, H=1, HV=2)))
     cu_list = spec.pop("cu", None)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     # Kernel-against-kernel comparisons at fp32-rounding tolerances: both sides run state_bwd3 and grad3_vc_tc with
@@ -425,3 +432,59 @@ def test_gdn_bwd_prep4_is_prep3(monkeypatch):
     _, c = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=5", monkeypatch)
     for name, x, y, z in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b, c):
         assert torch.equal(x, y) and torch.equal(x, z), name
+
+
+def _ulps(x, y, dtype):
+    """|x - y| in units of the last place of dtype at max(|x|, |y|) (normal range; 0 where both are equal)."""
+    x, y = x.double().cpu(), y.double().cpu()
+    eps = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).tiny
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.tensor(tiny))))) * eps
+    return ((x - y).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["random_T65", "gva_4x", "odd_dims", "varlen_empty", "v256_blocks"] + list(GVA_CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
+    # the GVA reduce of dq, dk in one CUDA launch (delta_gva_reduce.cuh, KDA_CUDA_CHUNK_BWD_GVA=1) against the torch
+    # path (sum_gva(...).to(dtype), the default), same kernels before it: dq, dk sum the same fp32 terms in the same
+    # order for G = HV / H <= 2 and round to nearest even, so bit-identical there; for G > 2 torch's reduction order
+    # may differ from the kernel's j = 0, 1, ...: at most 1 ulp of the output dtype (fp32: a few ulps, since the
+    # fp32 sums themselves may round differently). dv, dg, dbeta, dh0 come from the same kernels: bit-identical.
+    if dtype == "fp16" and case not in ("gva_4x", "gva_g3_k30"):
+        pytest.skip("fp16 differs from bf16 only in the store conversion; a subset suffices")
+    dt = DTYPES[dtype]
+    a, b = bwd_default_and_knob(family, case, dt, 37, "GVA=1", monkeypatch)
+    spec = dict(CASES[case]) if case in CASES else dict(GVA_CASES[case])
+    G = spec["HV"] // spec["H"]
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and y.is_contiguous(), name
+        assert torch.isfinite(y).all(), name
+        if name in ("dq", "dk") and G > 2:
+            assert _ulps(x, y, dt) <= (4 if dt == torch.float32 else 1), name
+        else:
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["gva_4x", "odd_dims", "varlen_empty"] + list(GVA_CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_gva_reduce_kernel_reference(family, case, dtype, monkeypatch):
+    # the GVA reduce kernel in the whole backward against autograd through the float64 reference (as test_chunk_bwd)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_GVA", "1")
+    _run(family, case, DTYPES[dtype])
+
+
+@pytest.mark.parametrize("knob", ["0", "1"])
+def test_gva_reduce_kernel_runs_under_its_knob(knob, monkeypatch):
+    # the knob really selects the kernel (bit-identical results cannot show it): gva_reduce_kernel is launched with
+    # KDA_CUDA_CHUNK_BWD_GVA=1 and only then
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_GVA", knob)
+    q, k, v, g, beta = make_inputs("kda", B=1, T=64, H=1, HV=2, dtype=torch.bfloat16, seed=41)
+    do = torch.randn_like(v)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        OPS.kda_chunk_bwd(q, k, v, g, beta, 0.1, None, None, do, None)
+        torch.cuda.synchronize()
+    ran = any("gva_reduce_kernel" in e.name for e in prof.events())
+    assert ran == (knob == "1")

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "delta_chunk_bwd.cuh"
@@ -17,6 +18,7 @@
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
 #include "delta_chunk_bwd_grad3_ch2.cuh"
+#include "delta_gva_reduce.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -433,12 +435,57 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   return r;
 }
 
+// The GVA reduce of dq, dk in one launch (delta_gva_reduce.cuh; KDA_CUDA_CHUNK_BWD_GVA=1, off by default, read at every
+// call): where HV % H == 0, q and k share a dtype and there is something to do (a sum over value heads or a cast).
+// Returns false (nothing launched) otherwise; the caller then runs the torch path.
+inline bool gva_reduce_cuda(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r,
+                            at::Tensor& dq_out, at::Tensor& dk_out) {
+  if (env_int("KDA_CUDA_CHUNK_BWD_GVA", 0) != 1) return false;
+  if (s.H <= 0 || s.HV % s.H != 0 || q.scalar_type() != k.scalar_type()) return false;
+  if (s.HV == s.H && q.scalar_type() == at::kFloat) return false;  // the torch path is a view
+  TORCH_CHECK(r.dq.is_contiguous() && r.dk.is_contiguous() && r.dq.scalar_type() == at::kFloat &&
+                  r.dk.scalar_type() == at::kFloat && r.dq.numel() == r.dk.numel(),
+              "gva_reduce_cuda: dq, dk must be contiguous fp32 of one size");
+  dq_out = at::empty({s.B, s.T, s.H, s.K}, q.options());
+  dk_out = at::empty({s.B, s.T, s.H, s.K}, k.options());
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
+  if (rows == 0 || s.K == 0) return true;
+  const bool vec = s.K % 4 == 0;  // 16-byte rows (the buffers themselves come from the caching allocator: aligned)
+  const int64_t n = rows * (vec ? s.K / 4 : s.K);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + kGvaThreads - 1) / kGvaThreads, 65535));
+  const dim3 grid(blocks, 2);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  const float* a = r.dq.data_ptr<float>();
+  const float* b = r.dk.data_ptr<float>();
+  const int G = s.HV / s.H;
+  auto launch = [&](auto* oq, auto* ok) {
+    using TO = std::remove_pointer_t<decltype(oq)>;
+    if (vec) gva_reduce_kernel<TO, true><<<grid, kGvaThreads, 0, st>>>(a, b, oq, ok, rows, s.H, G, s.K);
+    else gva_reduce_kernel<TO, false><<<grid, kGvaThreads, 0, st>>>(a, b, oq, ok, rows, s.H, G, s.K);
+  };
+  switch (q.scalar_type()) {
+    case at::kBFloat16:
+      launch(reinterpret_cast<__nv_bfloat16*>(dq_out.data_ptr()), reinterpret_cast<__nv_bfloat16*>(dk_out.data_ptr()));
+      break;
+    case at::kHalf:
+      launch(reinterpret_cast<__half*>(dq_out.data_ptr()), reinterpret_cast<__half*>(dk_out.data_ptr()));
+      break;
+    default:
+      launch(dq_out.data_ptr<float>(), dk_out.data_ptr<float>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 // dq, dk to the inputs' heads and dtypes, dg per channel (KDA) or per head (GDN: summed over the channels here
 // unless the grad kernel wrote it per head).
 template <bool PC>
 DeltaBwdResult chunk_bwd_finish(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r) {
-  at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
-  at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dq_out, dk_out;
+  if (!gva_reduce_cuda(s, q, k, r, dq_out, dk_out)) {
+    dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+    dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  }
   at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K})
                          : (r.dg.dim() == 2 ? r.dg.view({s.B, s.T, s.HV}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1));
   return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
