@@ -20,7 +20,7 @@ def _r(n):  # the caching allocator rounds every block to 512 bytes
 
 
 def work_bytes(B, T, HV, K, V):
-    """chunk_bwd_params' work list of one call (v2 state buffers, grad v3): name -> bytes."""
+    """chunk_bwd_params' work list of one call (grad v3): name -> bytes."""
     tokens, nc = B * T, max(B * math.ceil(T / CH), 1)
     tile = nc * HV * CH * KP * 4
     return {
@@ -32,7 +32,6 @@ def work_bytes(B, T, HV, K, V):
         "dU [T,HV,V]": _r(tokens * HV * V * 4),
         "hs [nc,HV,K,V]": _r(nc * HV * K * V * 4), "dhs [nc,HV,K,V]": _r(nc * HV * K * V * 4),
         "gdw [nc,HV,64,128]": _r(tile),
-        "unused (w, g3q, g3k, g3l)": 4 * _r(4),
     }
 
 

@@ -168,28 +168,32 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
 
 
+# knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
+RETIRED_BWD = ["STATE=1"]
+
+
+@pytest.mark.parametrize("knob", RETIRED_BWD)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-@pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "T200_gates_1e4"])
-def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
-    # the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1, kept to compare) and the default v2 compute the same
-    # recurrences from the same decay products; only the fp32 summation order differs. T200_gates_1e4: 30 % of
-    # the gates at -1e4 (e^g = 0 exactly): everything finite
-    a, b = bwd_default_and_knob(family, case, torch.float32, 7, "STATE=1", monkeypatch)
-    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
-        assert torch.isfinite(x).all(), name
-        assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
+def test_retired_bwd_knob_values_are_refused(family, knob, monkeypatch):
+    name, val = knob.split("=")
+    monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
+    q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
+    do = torch.randn_like(v)
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session 9"):
+        getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
+    with pytest.raises(RuntimeError, match="retired in session 9"):
+        getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_bf16"])
-@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2", "STATE_FWD=2",
+@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "PREP=1", "PREP=2", "STATE_FWD=2",
                                   "STATE_BWD=2", "VC=1"])
 def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
     # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare), grad2 (=2; sub-block factorisation of the
-    # intra-chunk decays, register back substitution; with the v1 state kernels too) and the default split grad3
-    # kernels (whose intermediates reuse the v2 state buffers; test_chunk_bwd_state_v1_matches_v2 runs grad3 with
-    # the v1 state kernels, where it allocates its own), and likewise v1 prep
+    # intra-chunk decays, register back substitution) and the default split grad3
+    # kernels (whose intermediates reuse the v2 state buffers), and likewise v1 prep
     # (KDA_CUDA_CHUNK_BWD_PREP=1) and the default (forward substitution in registers), compute the same gradients;
     # only the fp32 summation order differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
     # everything finite. PREP=2 (the fp32 SIMT prep) against the default tensor-core prep (v4 for KDA, v3 for GDN),

@@ -119,9 +119,9 @@ def test_stage_misuse_is_refused():
 # Indices into the backward's work list (enum BwdWork of delta_chunk_bwd_host.cuh) of what the prep stage writes, and
 # the rows of each that belong to real chunks: ("chunk", n) = n floats per (chunk, value head), ("token", n) = n
 # per (token, value head). The rest of the list is written by later stages or not at all.
-_PREP_OUT = {"aqk": (1, "chunk", 64 * 64), "akk": (2, "chunk", 64 * 64), "wc": (4, "chunk", 64 * 128),
-             "kendc": (5, "chunk", 64 * 128), "qgc": (6, "chunk", 64 * 128), "glc": (7, "chunk", 128),
-             "u": (8, "token", None)}
+_PREP_OUT = {"aqk": (1, "chunk", 64 * 64), "akk": (2, "chunk", 64 * 64), "wc": (3, "chunk", 64 * 128),
+             "kendc": (4, "chunk", 64 * 128), "qgc": (5, "chunk", 64 * 128), "glc": (6, "chunk", 128),
+             "u": (7, "token", None)}
 
 
 @pytest.mark.parametrize("version", ["4", "5"], ids=["prep4_split8", "prep4"])

@@ -33,23 +33,22 @@ struct ChunkBwdF32 {
 // (chunk_bwd_stage): indices into the list, then the buffers. cfg is a CPU int64 [kBwCfgLen] (BwdCfg), the knobs
 // as stage 0 read them, so that later stages cannot read them differently.
 enum BwdWork {
-  kBwOff = 0, kBwAqk, kBwAkk, kBwW, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w,
-  kBwG3q, kBwG3k, kBwG3l, kBwCfg, kBwWorkSize
+  kBwOff = 0, kBwAqk, kBwAkk, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w, kBwCfg,
+  kBwWorkSize
 };
-// cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
-// state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
+// cfg entries: grad mode, prep mode, chunks (nc_max), and the kernel choice of each state stage
+// (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
 // kCfgCh: the last grad3 kernel (KDA_CUDA_CHUNK_BWD_CH; see chunk_bwd_grad_stage), read at stage 0 like the others
 // because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
-enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
+enum BwdCfg { kCfgGrad = 0, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
-// `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
-// says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
+// `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs set; the
 // output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
 inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                                           double scale, const std::optional<at::Tensor>& initial_state,
                                           const std::optional<at::Tensor>& cu, const at::Tensor& grad_o,
-                                          std::vector<at::Tensor>& work, bool force_v2) {
+                                          std::vector<at::Tensor>& work) {
   namespace cb = chunk_bwd;
   const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
   auto f32 = q.options().dtype(at::kFloat);
@@ -57,9 +56,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
     const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
     const int64_t nc1 = std::max<int64_t>(nc_max, 1);
-    // state kernels: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_STATE=1: the kernels that rescan the decays per chunk
-    // step; kept to compare). v2 stores w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last.
-    const bool v2 = force_v2 || env_int("KDA_CUDA_CHUNK_BWD_STATE", 2) != 1;
+    // the state kernels read w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last from prep
+    // (KDA_CUDA_CHUNK_BWD_STATE=1, the v1 state kernels that rescanned the decays per chunk step: retired)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE", 1, "the v1 state kernels state_fwd_kernel / state_bwd_kernel");
     // grad kernel: 3 = the split grad3_vc / grad3_wy / grad3_ch (default: 12.3 vs grad2's 15.3 ms for the KDA
     // backward at B1 T8192 H16 HV32 on the H200, session 5), 2 = grad2, 1 = v1 grad_kernel. grad3's
     // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
@@ -77,11 +76,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     work[kBwOff] = at::empty({s.N + 1}, q.options().dtype(at::kInt));
     work[kBwAqk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
     work[kBwAkk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
-    work[kBwW] = v2 ? none() : at::empty({std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
-    work[kBwWc] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwKend] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwQg] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwGl] = v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
+    work[kBwWc] = at::empty({ctile}, f32);
+    work[kBwKend] = at::empty({ctile}, f32);
+    work[kBwQg] = at::empty({ctile}, f32);
+    work[kBwGl] = at::empty({nc1 * s.HV * cb::KP}, f32);
     work[kBwU0] = at::empty({tv}, f32);
     work[kBwU] = at::empty({tv}, f32);
     work[kBwDU] = at::empty({tv}, f32);
@@ -89,12 +87,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     work[kBwDhs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
     const bool g3 = grad_mode == 3;
     work[kBwG3w] = g3 ? at::empty({ctile}, f32) : none();
-    work[kBwG3q] = g3 && !v2 ? at::empty({ctile}, f32) : none();
-    work[kBwG3k] = g3 && !v2 ? at::empty({ctile}, f32) : none();
-    work[kBwG3l] = g3 && !v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
-    c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
+    c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
@@ -118,7 +113,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
                   work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == kBwCfgLen,
               "[", op, "] work must be the list stage 0 returned");
   const int64_t* c = work[kBwCfg].data_ptr<int64_t>();
-  const bool v2 = c[kCfgV2] != 0;
   const int grad_mode = static_cast<int>(c[kCfgGrad]);
   TORCH_CHECK(work[kBwOff].numel() == s.N + 1 &&
                   work[kBwHs].numel() == std::max<int64_t>(c[kCfgChunks], 1) * s.HV * s.K * s.V,
@@ -136,19 +130,13 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
   p.chunk_off = work[kBwOff].data_ptr<int>();
-  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk); p.w = fp(kBwW);
+  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk); p.w = nullptr;
   p.u = fp(kBwU0); p.U = fp(kBwU); p.dU = fp(kBwDU);
   p.hs = fp(kBwHs); p.dhs = fp(kBwDhs);
-  if (v2) {
-    p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
-  }
+  p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
   if (grad_mode == 3) {
     p.gdw = fp(kBwG3w);
-    if (v2) {
-      p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
-    } else {
-      p.gdqg = fp(kBwG3q); p.gdkend = fp(kBwG3k); p.gdgl = fp(kBwG3l);
-    }
+    p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
   }
   return p;
 }
@@ -164,8 +152,6 @@ void chunk_bwd_set_smem() {
   // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
   allow_dynamic_smem(cb::prep3_kernel<PC, __nv_bfloat16>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
   allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
-  allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
-  allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
   allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
@@ -176,7 +162,6 @@ void chunk_bwd_set_smem() {
 
 inline int64_t bwd_cfg(const std::vector<at::Tensor>& work, BwdCfg i) { return work[kBwCfg].data_ptr<int64_t>()[i]; }
 inline int64_t bwd_nc_max(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgChunks); }
-inline bool bwd_v2(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgV2) != 0; }
 
 // Stage prep: the chunk table and the per-chunk products (no state needed).
 template <bool PC>
@@ -223,9 +208,7 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
-  if (!bwd_v2(work)) {
-    cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
+  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
     // (within kGradSmem, which every chunked backward checks the device for before its first stage)
     auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
@@ -247,14 +230,12 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
   // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
   // kGradSmem, which every chunked backward checks the device for before its first stage)
-  if (bwd_v2(work) && (mode == 3 || mode == 4) && p.in_dtype != kF32) {
+  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
-  } else if (bwd_v2(work)) {
-    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   } else {
-    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -405,7 +386,7 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
   std::vector<at::Tensor> work;
-  chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, false);
+  chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work);
   at::Tensor dht;  // holds a converted copy of grad_final_state alive
   p.dht = grad_state_data(grad_final_state, dht);
   const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work);
@@ -619,8 +600,7 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
 // The backward in stages for context parallelism's relay (docs/context_parallel.md), same kernels and results as
 // chunk_bwd_run: stage 0 prep (returns the work list), 1 state_fwd (reads initial_state; returns []), 2 state_bwd
 // (reads grad_final_state; returns [dh0]), 3 grad (returns [dq, dk, dv, dg, dbeta]). Order: 0, then 1 and 2 in
-// either order, then 3; every stage gets the same inputs. The v2 state kernels always (the stages rely on
-// them); K and V <= 128.
+// either order, then 3; every stage gets the same inputs. K and V <= 128.
 template <bool PC>
 std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, int64_t stage, const at::Tensor& q,
                                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -644,7 +624,7 @@ std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, 
   TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
               op, "] grad_o must be contiguous, shaped like v, with q's dtype");
   std::vector<at::Tensor> work(work_in.begin(), work_in.end());
-  cb::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, true);
+  cb::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   switch (stage) {
     case 0:
