@@ -37,8 +37,8 @@ def work_bytes(B, T, HV, K, V):
 
 def block_peak(fam, B, T, H, HV, K, V, dt, free=True, dg_per_head=True):
     """Peak of one chunk_bwd_block + chunk_bwd_finish (bytes) and its parts. free=False: outputs before the first
-    stage, no work freed (KDA_CUDA_CHUNK_BWD_FREE=0); dg_per_head=False: GDN's dg per channel [T,HV,K] (session 7,
-    or KDA_CUDA_CHUNK_BWD_CH=1)."""
+    stage, no work freed (KDA_CUDA_CHUNK_BWD_FREE=0); dg_per_head=False: GDN's dg per channel [T,HV,K] (session 7's
+    grad3_ch, retired in session 9)."""
     w = work_bytes(B, T, HV, K, V)
     tokens = B * T
     dh0 = _r(B * HV * K * V * 4)

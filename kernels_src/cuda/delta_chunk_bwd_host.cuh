@@ -36,11 +36,11 @@ enum BwdWork {
   kBwOff = 0, kBwAqk, kBwAkk, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w, kBwCfg,
   kBwWorkSize
 };
-// cfg entries: grad mode, prep mode, chunks (nc_max), and the kernel choice of each state stage
+// cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
 // (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
 // kCfgCh: the last grad3 kernel (KDA_CUDA_CHUNK_BWD_CH; see chunk_bwd_grad_stage), read at stage 0 like the others
 // because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
-enum BwdCfg { kCfgGrad = 0, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
+enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs set; the
 // output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
@@ -59,11 +59,13 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // the state kernels read w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last from prep
     // (KDA_CUDA_CHUNK_BWD_STATE=1, the v1 state kernels that rescanned the decays per chunk step: retired)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE", 1, "the v1 state kernels state_fwd_kernel / state_bwd_kernel");
-    // grad kernel: 3 = the split grad3_vc / grad3_wy / grad3_ch (default: 12.3 vs grad2's 15.3 ms for the KDA
-    // backward at B1 T8192 H16 HV32 on the H200, session 5), 2 = grad2, 1 = v1 grad_kernel. grad3's
-    // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
-    // dw is one more [chunks, HV, CH, KP] buffer.
-    const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
+    // grad: the split grad v3 (grad3_vc / grad3_wy / the per-channel stage; KDA_CUDA_CHUNK_BWD_GRAD=1 / 2, the
+    // single-kernel grad v1 / grad2: retired). Its intermediates reuse the state buffers qgc / kendc / glc (dead
+    // after state_bwd) and aqk / akk in place; dw is one more [chunks, HV, CH, KP] buffer.
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_GRAD", 1, "the v1 grad kernel grad_kernel");
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_GRAD", 2, "the single-kernel grad2_kernel");
+    // the per-channel grad stage (KDA_CUDA_CHUNK_BWD_CH=1, grad3_ch_kernel: retired; see chunk_bwd_grad_stage)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 1, "the per-channel grad3_ch_kernel");
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3 for 4 and 5),
     // 5 = v4 without the split (0.91), 3 = v3 on tensor cores (delta_chunk_bwd_prep.cuh), 2 = the fp32 SIMT v2
@@ -71,7 +73,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
-    auto none = [&] { return at::empty({1}, f32); };
     work.assign(kBwWorkSize, at::Tensor());
     work[kBwOff] = at::empty({s.N + 1}, q.options().dtype(at::kInt));
     work[kBwAqk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
@@ -85,11 +86,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     work[kBwDU] = at::empty({tv}, f32);
     work[kBwHs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
     work[kBwDhs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
-    const bool g3 = grad_mode == 3;
-    work[kBwG3w] = g3 ? at::empty({ctile}, f32) : none();
+    work[kBwG3w] = at::empty({ctile}, f32);
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
-    c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
+    c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs)
@@ -113,7 +113,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
                   work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == kBwCfgLen,
               "[", op, "] work must be the list stage 0 returned");
   const int64_t* c = work[kBwCfg].data_ptr<int64_t>();
-  const int grad_mode = static_cast<int>(c[kCfgGrad]);
   TORCH_CHECK(work[kBwOff].numel() == s.N + 1 &&
                   work[kBwHs].numel() == std::max<int64_t>(c[kCfgChunks], 1) * s.HV * s.K * s.V,
               "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
@@ -134,10 +133,8 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
   p.u = fp(kBwU0); p.U = fp(kBwU); p.dU = fp(kBwDU);
   p.hs = fp(kBwHs); p.dhs = fp(kBwDhs);
   p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
-  if (grad_mode == 3) {
-    p.gdw = fp(kBwG3w);
-    p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
-  }
+  p.gdw = fp(kBwG3w);
+  p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
   return p;
 }
 
@@ -154,10 +151,7 @@ void chunk_bwd_set_smem() {
   allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
-  allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
-  allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad3_wy_kernel<PC>, cb::kWySmem, /*max_carveout=*/true);  // two 105 KB blocks per SM
-  allow_dynamic_smem(cb::grad3_ch_kernel<PC>, cb::kGradSmem);
 }
 
 inline int64_t bwd_cfg(const std::vector<at::Tensor>& work, BwdCfg i) { return work[kBwCfg].data_ptr<int64_t>()[i]; }
@@ -244,16 +238,15 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
 // allocates there (a hook), so that the grad stage's peak is the work alone; the staged op allocates every output
 // before the stage and passes no hook. Grad v3 (the default; which kernel reads what: see each kernel's file):
 //   kGradBeforeWy  after the three grad3_vc launches: hs, dhs, U are dead; grad3_wy writes dv and dbeta
-//   kGradBeforeCh  after grad3_wy: u, dU, wc are dead; grad3_ch / ch2 / gdn write dq, dk, dg (and add to dbeta)
-// v1 / v2 (one grad kernel): kGradAll before it (nothing dead, every output needed).
-enum GradPoint { kGradBeforeWy = 0, kGradBeforeCh, kGradAll };
+//   kGradBeforeCh  after grad3_wy: u, dU, wc are dead; grad3_ch2 / grad3_gdn write dq, dk, dg (and add to dbeta)
+enum GradPoint { kGradBeforeWy = 0, kGradBeforeCh };
 using GradHook = std::function<void(GradPoint, chunk_bwd::Params&)>;
 
 // GDN's grad3_gdn writes dg per head, [tokens, HV] (the token's gate gradient summed over channels in the kernel);
-// every other grad kernel per channel, [tokens, HV, K] (the host sums GDN's channels).
+// KDA's grad3_ch2 per channel, [tokens, HV, K].
 template <bool PC>
-bool bwd_dg_per_head(const std::vector<at::Tensor>& work) {
-  return !PC && bwd_cfg(work, kCfgGrad) == 3 && bwd_cfg(work, kCfgCh) != 1;
+bool bwd_dg_per_head(const std::vector<at::Tensor>&) {
+  return !PC;
 }
 
 // Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers, or set by `hook` at its points).
@@ -264,11 +257,7 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max <= 0 || s.HV <= 0) return;
   const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-  const int grad_mode = static_cast<int>(bwd_cfg(work, kCfgGrad));
-  if (grad_mode == 1) {
-    if (hook) hook(kGradAll, p);
-    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
-  } else if (grad_mode == 3) {
+  {
     const int64_t vc_mode = bwd_cfg(work, kCfgVc);
     if ((vc_mode == 2 || vc_mode == 3) && p.in_dtype != kF32 && s.V % 4 == 0) {
       // grad3_vc_tc (tensor cores; 74 / 92 / 55 KB for Z = 0 / 1 / 2: two blocks per SM)
@@ -295,10 +284,10 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (hook) hook(kGradBeforeWy, p);
-    // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0
-    // with the v2 state buffers; KDA_CUDA_CHUNK_BWD_WY=1 runs grad3_wy (kept to compare), =3 grad3_wy2 with plain
-    // tf32 products for bf16 inputs (kept to measure)
-    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0 && p.wc != nullptr) {
+    // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0;
+    // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1; =3 grad3_wy2 with
+    // plain tf32 products for bf16 inputs (kept to measure)
+    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0) {
       auto kern = cb::grad3_wy2<PC>(p.in_dtype, wy != 3);
       allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
       kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
@@ -309,28 +298,18 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     if (hook) hook(kGradBeforeCh, p);
     const int64_t ch_mode = bwd_cfg(work, kCfgCh);
     if constexpr (PC) {
-      // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM) by
-      // default (=3: its 128-register instance); KDA_CUDA_CHUNK_BWD_CH=1 runs grad3_ch_kernel (one 226 KB block
-      // per SM; kept to compare)
-      if (ch_mode == 1) cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
-      else cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
+      // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM), every
+      // dtype and K (KDA_CUDA_CHUNK_BWD_CH=3: its 128-register instance)
+      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
-      // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head) by default;
-      // KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel grad3_ch (kept to compare)
-      if (ch_mode != 1) {
-        auto kern = cb::grad3_gdn<PC>(p.in_dtype);
-        const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
-        allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
-        kern<<<gchunks, cb::NT, smem, st>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
+      // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head), every dtype and K
+      (void)ch_mode;
+      auto kern = cb::grad3_gdn<PC>(p.in_dtype);
+      const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
+      allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
+      kern<<<gchunks, cb::NT, smem, st>>>(p);
     }
-  } else {
-    if (hook) hook(kGradAll, p);
-    cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
