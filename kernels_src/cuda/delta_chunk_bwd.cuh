@@ -53,16 +53,14 @@ struct Params {
   int* chunk_off;  // [N + 1]
   // work buffers (fp32)
   float *aqk, *akk;  // [chunks, HV, CH, CH]
-  float *w;          // [tokens, HV, K]
   float *u, *U, *dU; // [tokens, HV, V]
   float *hs, *dhs;   // [chunks, HV, K, V]: state at each chunk start, dL/dstate at each chunk end
-  // state kernels v2 (nullptr: v1, the kernels that rescan the decays themselves): per (chunk, value head),
-  // padded to CH x KP with zeros, written by prep: w (then p.w is not written; grad reads wc), K Eend, Q Gam,
-  // and Gam_last [chunks, HV, KP]
+  // per (chunk, value head), padded to CH x KP with zeros, written by prep and read by the state kernels: w (read
+  // by grad too), K Eend, Q Gam, and Gam_last [chunks, HV, KP]
   float *wc, *kendc, *qgc, *glc;  // [chunks, HV, CH, KP] (glc: [chunks, HV, KP])
-  // grad v3 (KDA_CUDA_CHUNK_BWD_GRAD=3) intermediates, [chunks, HV, CH, KP] padded tiles (gdgl: [chunks, HV, KP]):
-  // dQG, dKend, dw (then dR_w, in place), dGam_last. With the v2 state kernels the host points gdqg / gdkend /
-  // gdgl at qgc / kendc / glc (dead once state_bwd2 has run); dA_qk and dA_kk go in place into aqk and akk.
+  // grad v3 intermediates, [chunks, HV, CH, KP] padded tiles (gdgl: [chunks, HV, KP]): dQG, dKend, dw (then dR_w,
+  // in place), dGam_last. The host points gdqg / gdkend / gdgl at qgc / kendc / glc (dead once state_bwd has
+  // run); dA_qk and dA_kk go in place into aqk and akk.
   float *gdqg, *gdkend, *gdw, *gdgl;
   // outputs
   float *dq, *dk, *dg;  // [tokens, HV, K] fp32 (summed over GVA groups / channels on the host); GDN grad3_gdn: dg [tokens, HV]
@@ -138,11 +136,11 @@ __global__ void chunk_table_kernel(Params p) {
 // smem: q, k, a [CH][KP], aqk, akk [CH][CH], X [CH][W], beta [CH]
 constexpr size_t kPrepSmem = (3 * CH * KP + 2 * CH * CH + CH * W + CH) * sizeof(float);
 
-// FS2 (the default; false with KDA_CUDA_CHUNK_BWD_PREP=1, kept to compare): the forward substitution with the
-// thread's column of X in registers (row t of A_kk read as broadcast float4, 4 partial sums) instead of a
-// 2016-long dependent chain with a shared load per FMA, and the A_qk / A_kk pair loop unrolled 4 (four pairs'
-// warp reductions in flight together).
-template <bool PC, bool FS2 = true>
+// The forward substitution with the thread's column of X in registers (row t of A_kk read as broadcast float4, 4
+// partial sums; session 4's FS2, which replaced v1's 2016-long dependent chain with a shared load per FMA, retired
+// with KDA_CUDA_CHUNK_BWD_PREP=1 in session 9), and the A_qk / A_kk pair loop unrolled 4 (four pairs' warp
+// reductions in flight together).
+template <bool PC>
 __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   ChunkPos cp;
   const int hv = blockIdx.y;
@@ -235,7 +233,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
   }
   __syncthreads();
   // (I + L) X = RHS by forward substitution, one thread per column of X (W == NT)
-  if (FS2) {
+  {
     const int col = tid;
     float x[CH];
 #pragma unroll
@@ -257,14 +255,6 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
     }
 #pragma unroll
     for (int t = 0; t < CH; ++t) X[t * W + col] = x[t];
-  } else {
-    const int col = tid;
-    for (int t = 1; t < CH; ++t) {
-      float x = X[t * W + col];
-      const float bt = beta[t];
-      for (int j = 0; j < t; ++j) x = fmaf(-bt * akk[t * CH + j], X[j * W + col], x);
-      X[t * W + col] = x;
-    }
   }
   __syncthreads();
   const size_t abase = (static_cast<size_t>(cid) * p.HV + hv) * CH * CH;
@@ -276,14 +266,7 @@ __global__ void __launch_bounds__(NT) prep_kernel(Params p) {
     const int t = i / VP, c = i % VP;
     if (c < p.V) p.u[((cp.row0 + t) * p.HV + hv) * p.V + c] = X[t * W + c];
   }
-  if (p.wc != nullptr) {
-    for (int i = tid; i < CH * KP; i += NT) p.wc[cbase + i] = X[(i / KP) * W + VP + i % KP];  // zeros past Cc, K
-  } else {
-    for (int i = tid; i < cp.Cc * KP; i += NT) {
-      const int t = i / KP, c = i % KP;
-      if (c < p.K) p.w[((cp.row0 + t) * p.HV + hv) * p.K + c] = X[t * W + VP + c];
-    }
-  }
+  for (int i = tid; i < CH * KP; i += NT) p.wc[cbase + i] = X[(i / KP) * W + VP + i % KP];  // zeros past Cc, K
 }
 
 // ------------------------------------------------------------------------------------------------ state kernels v2
@@ -938,17 +921,11 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy_kernel(Params p) {
         const int i = tid + r * NT, t = i >> 5, c = x0 + (i & 31);
         px[r] = (t < cp.Cc && c < V) ? p.u[tok(t) * V + c] : 0.f;
       }
-    } else if (p.wc != nullptr) {
-#pragma unroll
-      for (int r = 0; r < CH * 32 / NT; ++r) {
-        const int i = tid + r * NT, t = i >> 5, c = x0 - VP + (i & 31);
-        px[r] = (t < cp.Cc && c < K) ? p.wc[tbase + t * KP + c] : 0.f;
-      }
     } else {
 #pragma unroll
       for (int r = 0; r < CH * 32 / NT; ++r) {
         const int i = tid + r * NT, t = i >> 5, c = x0 - VP + (i & 31);
-        px[r] = (t < cp.Cc && c < K) ? p.w[tok(t) * K + c] : 0.f;
+        px[r] = (t < cp.Cc && c < K) ? p.wc[tbase + t * KP + c] : 0.f;
       }
     }
   };

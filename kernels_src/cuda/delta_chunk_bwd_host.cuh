@@ -69,7 +69,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3 for 4 and 5),
     // 5 = v4 without the split (0.91), 3 = v3 on tensor cores (delta_chunk_bwd_prep.cuh), 2 = the fp32 SIMT v2
-    // with the forward substitution in registers (always for fp32 inputs), 1 = v1; the older ones kept to compare
+    // with the forward substitution in registers (always for fp32 inputs); 1 (v1, the serial forward substitution):
+    // retired
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
     const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
@@ -129,7 +131,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
   p.chunk_off = work[kBwOff].data_ptr<int>();
-  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk); p.w = nullptr;
+  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk);
   p.u = fp(kBwU0); p.U = fp(kBwU); p.dU = fp(kBwDU);
   p.hs = fp(kBwHs); p.dhs = fp(kBwDhs);
   p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
@@ -144,8 +146,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
 template <bool PC>
 void chunk_bwd_set_smem() {
   namespace cb = chunk_bwd;
-  allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
-  allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
+  allow_dynamic_smem(cb::prep_kernel<PC>, cb::kPrepSmem);
   // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
   allow_dynamic_smem(cb::prep3_kernel<PC, __nv_bfloat16>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
   allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
@@ -169,10 +170,8 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
     const int64_t prep_mode = bwd_cfg(work, kCfgPrep);
-    if (prep_mode == 1) {
-      cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    } else if (prep_mode == 2 || p.in_dtype == kF32) {
-      cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    if (prep_mode == 2 || p.in_dtype == kF32) {
+      cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
     } else if (prep_mode == 4 || prep_mode == 5) {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3
       constexpr size_t smem4 = cb::prep4_smem<PC>();
       const bool bf = p.in_dtype == kBF16, s8 = prep_mode == 4;

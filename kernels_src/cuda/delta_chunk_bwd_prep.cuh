@@ -4,7 +4,7 @@
 // (Params of delta_chunk_bwd.cuh), so the state and grad kernels are unchanged:
 //   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
 //   u = (I + Diag(beta) A_kk)^-1 Diag(beta) V, rows < Cc, columns < V;
-//   w = (I + Diag(beta) A_kk)^-1 Diag(beta) (K Gam): wc [CH][KP] padded with zeros (v2 state kernels) or p.w;
+//   w = (I + Diag(beta) A_kk)^-1 Diag(beta) (K Gam): wc [CH][KP] padded with zeros;
 //   v2: qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
 // It follows the forward's preps (kda_chunk_prep.cuh, gdn_chunk_prep.cuh) phase by phase and reuses their pieces:
 // the same exact-gate products (KDA: in-sub-chunk pairs on CUDA cores with the exponent a running sum of the gates,
@@ -93,13 +93,7 @@ __device__ __forceinline__ void prep3_w_u(const Params& p, const ChunkPos& cp, i
         const float bt = Bs[r];
         const float x0 = bt * acc[a][2 * hr], x1 = bt * acc[a][2 * hr + 1];
         if (isw) {
-          if (p.wc != nullptr) {
-            *reinterpret_cast<float2*>(p.wc + cbase + r * KP + c) = make_float2(x0, x1);  // zeros past Cc, K
-          } else if (r < cp.Cc) {
-            float* d = p.w + ((cp.row0 + r) * p.HV + hv) * p.K;
-            if (c < p.K) d[c] = x0;
-            if (c + 1 < p.K) d[c + 1] = x1;
-          }
+          *reinterpret_cast<float2*>(p.wc + cbase + r * KP + c) = make_float2(x0, x1);  // zeros past Cc, K
         } else if (r < cp.Cc) {
           float* d = p.u + ((cp.row0 + r) * p.HV + hv) * p.V;
           if (c < p.V) d[c] = x0;

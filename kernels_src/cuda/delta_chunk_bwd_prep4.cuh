@@ -3,7 +3,7 @@
 // delta_chunk_bwd_prep.cuh). GDN has no v4: 4 and 5 run its prep v3. Writes exactly what prep3_kda_kernel writes
 // (Params of delta_chunk_bwd.cuh; same buffers, layouts, padding), so the state and grad kernels are unchanged:
 //   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
-//   u = Diag(beta) T V, w = Diag(beta) T (K Gam) (wc padded, or p.w), T = (I + A_kk Diag(beta))^-1;
+//   u = Diag(beta) T V, w = Diag(beta) T (K Gam) (wc padded), T = (I + A_kk Diag(beta))^-1;
 //   v2: qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
 //
 // prep3 follows the forward's v1 prep (kda_chunk_prep.cuh); v4 follows its v2 (kda_chunk_prep2.cuh, 0.82 -> 0.57 ms
