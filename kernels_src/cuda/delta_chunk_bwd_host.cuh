@@ -67,8 +67,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // the per-channel grad stage (KDA_CUDA_CHUNK_BWD_CH=1, grad3_ch_kernel: retired; see chunk_bwd_grad_stage)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 1, "the per-channel grad3_ch_kernel");
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
-    // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3 for 4 and 5),
-    // 5 = v4 without the split (0.91), 3 = v3 on tensor cores (delta_chunk_bwd_prep.cuh), 2 = the fp32 SIMT v2
+    // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
+    // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 3 = KDA's prep v3
+    // (retired: refused by chunk_bwd_prep_stage for KDA), 2 = the fp32 SIMT v2
     // with the forward substitution in registers (always for fp32 inputs); 1 (v1, the serial forward substitution):
     // retired
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
@@ -147,9 +148,6 @@ template <bool PC>
 void chunk_bwd_set_smem() {
   namespace cb = chunk_bwd;
   allow_dynamic_smem(cb::prep_kernel<PC>, cb::kPrepSmem);
-  // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
-  allow_dynamic_smem(cb::prep3_kernel<PC, __nv_bfloat16>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
-  allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
   allow_dynamic_smem(cb::grad3_wy_kernel<PC>, cb::kWySmem, /*max_carveout=*/true);  // two 105 KB blocks per SM
@@ -172,17 +170,16 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
     const int64_t prep_mode = bwd_cfg(work, kCfgPrep);
     if (prep_mode == 2 || p.in_dtype == kF32) {
       cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    } else if (prep_mode == 4 || prep_mode == 5) {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3
+    } else {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3 (any value but 2)
+      if constexpr (PC)
+        TORCH_CHECK(prep_mode != 3, "KDA_CUDA_CHUNK_BWD_PREP=3 selected the KDA prep v3 prep3_kda_kernel, retired in "
+                    "session 9 (docs/cuda.md, \"Retired kernels\"): unset KDA_CUDA_CHUNK_BWD_PREP or pick another value");
       constexpr size_t smem4 = cb::prep4_smem<PC>();
-      const bool bf = p.in_dtype == kBF16, s8 = prep_mode == 4;
+      const bool bf = p.in_dtype == kBF16, s8 = prep_mode != 5;
       auto kern = bf ? (s8 ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __nv_bfloat16, false>())
                      : (s8 ? cb::prep4_kernel<PC, __half, true>() : cb::prep4_kernel<PC, __half, false>());
       allow_dynamic_smem(kern, smem4, /*max_carveout=*/true);  // two blocks per SM
       kern<<<gchunks, cb::NT, smem4, st>>>(p);
-    } else {
-      constexpr size_t prep3_smem = cb::prep3_smem<PC>();
-      if (p.in_dtype == kBF16) cb::prep3_kernel<PC, __nv_bfloat16>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
-      else cb::prep3_kernel<PC, __half>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
