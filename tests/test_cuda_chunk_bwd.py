@@ -139,7 +139,8 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     `seed`: two calls with one seed see the same ones). Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
     T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly), T200_gates_50[_rows]
     at -50 (_gates_50)."""
-    spec = dict(CASES[case]) if case in CASES else dict({**WY2_CASES, **GVA_CASES}.get(case, dict(B=1, T=200, H=1, HV=2)))
+    spec = dict(CASES[case]) if case in CASES else dict({**WY2_CASES, **GVA_CASES}.get(case, dict(B=1, T=200, H=1,
+                                                                                                  HV=2)))
     cu_list = spec.pop("cu", None)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     # Kernel-against-kernel comparisons at fp32-rounding tolerances: both sides run state_bwd3 and grad3_vc_tc with

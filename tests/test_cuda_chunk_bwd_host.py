@@ -1,9 +1,9 @@
 """Host-side (CPU) check of the CUDA chunked backward's helpers (kernels_src/cuda/delta_chunk_bwd.cuh: c2_intra,
 the in-sub-block intra-chunk decay terms of grad3_ch2, back_subst_col of grad3_wy, and grad3's tile helpers)
 against the direct float64 definition. (The whole-kernel CPU emulation of grad2 against grad3, emu_grad3.cpp, went
-with grad2 and grad3_ch in session 9: the GPU tests check the grad3 kernels against the float64 reference.) The helpers are __host__ __device__, so tests/cuda_host/check_grad2_c2.cu
-compiles them with nvcc as host code and runs them thread by thread; no GPU needed. Skipped when nvcc is not installed.
-The GPU tests (tests/test_cuda_chunk_bwd.py) check the kernels themselves.
+with grad2 and grad3_ch in session 9: the GPU tests check the grad3 kernels against the float64 reference.) The
+helpers are __host__ __device__, so tests/cuda_host/check_grad2_c2.cu compiles them with nvcc as host code and
+runs them thread by thread; no GPU needed. Skipped when nvcc is not installed. The GPU tests (tests/test_cuda_chunk_bwd.py) check the kernels themselves.
 """
 import shutil
 import subprocess

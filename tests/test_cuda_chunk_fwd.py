@@ -7,11 +7,11 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 200), batches, varlen with empty sequences, GVA, initial state, K=V=128, K=V=64, odd K/V (40/30, padded to the
 64-wide path), V spanning several column tiles, fp32/bf16/fp16, T=2048, the fp32 workspace for bf16 inputs
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
-bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
-with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
-(kda_chunk_prep2.cuh by default, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
-test_kda_prep2_split8_vs_plain_and_reference; the v1 kernel, =1, was retired in session 9). The scan is the
-bulk-prefetch kernel
+bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; test_gdn_prep_reference). Likewise KDA with
+bf16/fp16 inputs (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
+test_kda_prep2_split8_vs_plain_and_reference). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
+(KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were retired in session 9 (test_retired_fwd_knob_values_are_refused).
+The scan is the bulk-prefetch kernel
 delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16, V <= 256 and its
 blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls, fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
 delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
@@ -190,13 +190,11 @@ def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1",
                                   "gva_4x", "kv64", "odd_kv", "cp_width_v256", "varlen", "varlen_extreme"])
-def test_gdn_prep_new_vs_old(case, dtype, ws, monkeypatch):
-    """The GDN prep kernel (default for bf16/fp16) against the generic prep kernel (KDA_CUDA_GDN_PREP=0): the
-    scan is the same, so o and the final state agree up to rounding (fp32 workspace: the final state to 1e-4;
-    o is rounded to the input dtype in both)."""
-    (o0, s0), (o1, s1) = fwd_per_knob("gdn", case, dtype, ws, "KDA_CUDA_GDN_PREP", ("0", "1"), monkeypatch)
-    assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
-    assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-4)
+def test_gdn_prep_reference(case, dtype, ws, monkeypatch):
+    """The GDN prep kernel (default for bf16/fp16) with either workspace against the float64 reference (its
+    session-4 partner, the generic prep for 16-bit inputs, KDA_CUDA_GDN_PREP=0, was retired in session 9)."""
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    run_case("gdn", case, dtype, h0_on=True)
 
 
 @pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
@@ -224,7 +222,8 @@ def test_kda_prep2_split8_vs_plain_and_reference(case, dtype, ws, monkeypatch):
 
 
 # knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
-RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1")]
+RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "0"),
+               ("gdn", "KDA_CUDA_GDN_PREP", "0")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

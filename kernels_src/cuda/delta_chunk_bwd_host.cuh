@@ -42,8 +42,8 @@ enum BwdWork {
 // because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
 enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
-// `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs set; the
-// output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
+// `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
+// set; the output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
 inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                                           double scale, const std::optional<at::Tensor>& initial_state,
@@ -173,7 +173,8 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
     } else {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3 (any value but 2)
       if constexpr (PC)
         TORCH_CHECK(prep_mode != 3, "KDA_CUDA_CHUNK_BWD_PREP=3 selected the KDA prep v3 prep3_kda_kernel, retired in "
-                    "session 9 (docs/cuda.md, \"Retired kernels\"): unset KDA_CUDA_CHUNK_BWD_PREP or pick another value");
+                    "session 9 (docs/cuda.md, \"Retired kernels\"): unset KDA_CUDA_CHUNK_BWD_PREP or pick another "
+                    "value");
       constexpr size_t smem4 = cb::prep4_smem<PC>();
       const bool bf = p.in_dtype == kBF16, s8 = prep_mode != 5;
       auto kern = bf ? (s8 ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __nv_bfloat16, false>())

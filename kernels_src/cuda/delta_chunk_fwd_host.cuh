@@ -2,9 +2,11 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
-// as does KDA (KDA_CUDA_KDA_PREP: 3, the default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms;
-// 2 it without the split, 0.61 ms; 0 the generic one; 1, the v1 kernel kda_chunk_prep.cuh, 0.82 ms: retired in session 9). Both variables are read at every call.
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh), as does KDA (KDA_CUDA_KDA_PREP: 3, the
+// default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it without the split, 0.61 ms).
+// Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
+// KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
+// Both variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
@@ -29,10 +31,13 @@ namespace cuda {
 // (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
 inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
 
-template <bool PC, int KP, bool PRECISE>
+// fp32 inputs: the generic delta_chunk_prep_kernel with 3xTF32 products (its instance for bf16/fp16 inputs,
+// PRECISE = false, KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0, was retired in session 9: the families' own preps
+// replace it for 16-bit inputs).
+template <bool PC, int KP>
 void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = PrepSmem<KP>::bytes;
-  auto kern = delta_chunk_prep_kernel<PC, KP, PRECISE>;
+  auto kern = delta_chunk_prep_kernel<PC, KP, true>;
   allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kPrepThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -117,14 +122,11 @@ template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
-    if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
-    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_gdn_prep<KP>(p, max_chunks, st);
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    const int version = env_int("KDA_CUDA_KDA_PREP", 3);
-    if (version != 0) launch_kda_prep<KP>(p, max_chunks, st, version);
-    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_kda_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_KDA_PREP", 3));
   } else {
-    launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_chunk_prep<PC, KP>(p, max_chunks, st);
   }
 }
 
@@ -171,7 +173,12 @@ inline bool chunk_split_applies(const ChunkFwdParams& p) {
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
 template <bool PC>
 void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if constexpr (PC) refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 1, "the v1 KDA prep kda_chunk_prep_kernel");
+  if constexpr (PC) {
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 1, "the v1 KDA prep kda_chunk_prep_kernel");
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+  } else {
+    refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+  }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
     if (precise) run_chunk_prep<PC, 64, true>(p, max_chunks, st);

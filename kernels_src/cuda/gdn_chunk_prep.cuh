@@ -1,7 +1,8 @@
 // GDN-specific prep kernel of the chunked forward (scalar gate per token and value head), bf16/fp16 inputs.
 // Writes exactly the workspace delta_chunk_prep_kernel<PC=false> writes (WsLayout: w, q~, k~^T, A~, decay, u0;
 // same sections, fragment order and bf16/fp32 choice), so delta_chunk_scan_kernel is unchanged. fp32 inputs keep
-// the generic prep kernel (3xTF32 everywhere). KDA_CUDA_GDN_PREP=0 selects the generic kernel for GDN too.
+// the generic prep kernel (3xTF32 everywhere). (KDA_CUDA_GDN_PREP=0, the generic kernel for 16-bit GDN inputs,
+// was retired in session 9.)
 //
 // With a scalar gate the decay of a pair (t, j), j <= t, is the scalar e^{G_t - G_j} (G the chunk prefix of the
 // gate, a double prefix sum kept as hi + lo floats, so the exponent is a direct sum of the gates in between and

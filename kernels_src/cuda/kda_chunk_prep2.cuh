@@ -5,8 +5,9 @@
 // fragment order and bf16/fp32 choice of the generic kernel), so the scans are unchanged.
 //
 // Phases and thread mappings as v1 had them (S0, S1, four passes of 32 channels with build / P2 / P1, results,
-// S2..S5; docs/cuda.md, "KDA prep kernel (session 4)"). Within a 16-token sub-chunk every decay factor is a PRODUCT of a_i = e^{g_i};
-// factors across sub-chunks are exponentials of float sums of whole sub-chunks' gates (no double arithmetic):
+// S2..S5; docs/cuda.md, "KDA prep kernel (session 4)"). Within a 16-token sub-chunk every decay factor is a
+// PRODUCT of a_i = e^{g_i}; factors across sub-chunks are exponentials of float sums of whole sub-chunks' gates (no
+// double arithmetic):
 //   S1  a = e^g in place of the gates (one exponential per token and channel; v1 took one per pair and channel
 //       in P1 and several per token in the build) and S_b = the sum of sub-chunk b's gates (float tree sum).
 //   build  F_t = prod_{16a <= i <= t} a_i = e^{G_t - G_r} and R_t = prod_{t < i <= 16a + 15} a_i = e^{G_s - G_t}
