@@ -64,6 +64,17 @@ __device__ __forceinline__ void gdn_cp_async16(void* smem, const void* gmem, boo
 }
 __device__ __forceinline__ void gdn_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// Two adjacent 16-bit values (4-byte aligned) as floats.
+template <typename T16>
+__device__ __forceinline__ float2 ld_pair16(const uint16_t* p) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+  if constexpr (std::is_same<T16, __nv_bfloat16>::value) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+
 // c += a * b on one 16x8x16 tile, 16-bit inputs (bf16 or f16), fp32 accumulation.
 template <typename T16>
 __device__ __forceinline__ void mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

@@ -66,17 +66,6 @@ __device__ __forceinline__ void kda_stage_gates(float* dst, int ld, const float*
   }
 }
 
-// Two adjacent 16-bit values (4-byte aligned) as floats.
-template <typename T16>
-__device__ __forceinline__ float2 ld_pair16(const uint16_t* p) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-  if constexpr (std::is_same<T16, __nv_bfloat16>::value) {
-    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&w));
-  }
-}
-
 // Cross-sub-chunk tile number (0..23) -> row block a (1..3), matrix (0: q, 1: k), 8-column tile nt (< 2a).
 __device__ __forceinline__ void cross_tile(int tile, int& a, int& mat, int& nt) {
   a = tile < 4 ? 1 : (tile < 12 ? 2 : 3);
