@@ -38,8 +38,7 @@ enum BwdWork {
 };
 // cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
 // (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-// kCfgCh: the last grad3 kernel (KDA_CUDA_CHUNK_BWD_CH; see chunk_bwd_grad_stage), read at stage 0 like the others
-// because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
+// kCfgCh: KDA's grad3_ch2 instance (KDA_CUDA_CHUNK_BWD_CH=3: the 128-register one; see chunk_bwd_grad_stage).
 enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
@@ -68,10 +67,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 1, "the per-channel grad3_ch_kernel");
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
-    // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 3 = KDA's prep v3
-    // (retired: refused by chunk_bwd_prep_stage for KDA), 2 = the fp32 SIMT v2
-    // with the forward substitution in registers (always for fp32 inputs); 1 (v1, the serial forward substitution):
-    // retired
+    // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 2 = the fp32 SIMT v2 with
+    // the forward substitution in registers (always for fp32 inputs). Retired: 3 for KDA (prep v3; refused by
+    // chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
     const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
