@@ -429,8 +429,9 @@ def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
     # the GVA reduce of dq, dk in one CUDA launch (delta_gva_reduce.cuh, KDA_CUDA_CHUNK_BWD_GVA=1) against the torch
     # path (sum_gva(...).to(dtype), the default), same kernels before it: dq, dk sum the same fp32 terms in the same
     # order for G = HV / H <= 2 and round to nearest even, so bit-identical there; for G > 2 torch's reduction order
-    # may differ from the kernel's j = 0, 1, ...: at most 1 ulp of the output dtype (fp32: a few ulps, since the
-    # fp32 sums themselves may round differently). dv, dg, dbeta, dh0 come from the same kernels: bit-identical.
+    # may differ from the kernel's j = 0, 1, ...: at most 1 ulp of a bf16 / fp16 output (the fp32 sums differ far
+    # below it), fp32 outputs to 1e-6 relative RMS (with cancellation a reordered fp32 sum can be many ulps of the
+    # result). dv, dg, dbeta, dh0 come from the same kernels: bit-identical.
     if dtype == "fp16" and case not in ("gva_4x", "gva_g3_k30"):
         pytest.skip("fp16 differs from bf16 only in the store conversion; a subset suffices")
     dt = DTYPES[dtype]
@@ -440,8 +441,10 @@ def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and y.is_contiguous(), name
         assert torch.isfinite(y).all(), name
-        if name in ("dq", "dk") and G > 2:
-            assert _ulps(x, y, dt) <= (4 if dt == torch.float32 else 1), name
+        if name in ("dq", "dk") and G > 2 and dt == torch.float32:
+            assert_close(name, x.double().cpu(), y.double().cpu(), 1e-6)
+        elif name in ("dq", "dk") and G > 2:
+            assert _ulps(x, y, dt) <= 1, name
         else:
             assert torch.equal(x, y), name
 
