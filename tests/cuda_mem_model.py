@@ -20,7 +20,7 @@ def _r(n):  # the caching allocator rounds every block to 512 bytes
 
 
 def work_bytes(B, T, HV, K, V):
-    """chunk_bwd_params' work list of one call (v2 state buffers, grad v3): name -> bytes."""
+    """chunk_bwd_params' work list of one call (grad v3): name -> bytes."""
     tokens, nc = B * T, max(B * math.ceil(T / CH), 1)
     tile = nc * HV * CH * KP * 4
     return {
@@ -32,14 +32,13 @@ def work_bytes(B, T, HV, K, V):
         "dU [T,HV,V]": _r(tokens * HV * V * 4),
         "hs [nc,HV,K,V]": _r(nc * HV * K * V * 4), "dhs [nc,HV,K,V]": _r(nc * HV * K * V * 4),
         "gdw [nc,HV,64,128]": _r(tile),
-        "unused (w, g3q, g3k, g3l)": 4 * _r(4),
     }
 
 
 def block_peak(fam, B, T, H, HV, K, V, dt, free=True, dg_per_head=True):
     """Peak of one chunk_bwd_block + chunk_bwd_finish (bytes) and its parts. free=False: outputs before the first
-    stage, no work freed (KDA_CUDA_CHUNK_BWD_FREE=0); dg_per_head=False: GDN's dg per channel [T,HV,K] (session 7,
-    or KDA_CUDA_CHUNK_BWD_CH=1)."""
+    stage, no work freed (KDA_CUDA_CHUNK_BWD_FREE=0); dg_per_head=False: GDN's dg per channel [T,HV,K] (session 7's
+    grad3_ch, retired in session 9)."""
     w = work_bytes(B, T, HV, K, V)
     tokens = B * T
     dh0 = _r(B * HV * K * V * 4)

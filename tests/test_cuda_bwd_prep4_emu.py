@@ -10,13 +10,12 @@ above the diagonal blocks) and A_kk Diag(beta) in shared memory; X = K Gam (S2).
 element written exactly once, against float64 formulas of DESIGN.md section 3 with per-channel gates
 (exponentials of direct gate sums), including gates of -20 and -1e4, K < 128 and short chunks. The blocked inverse
 and w / u are prep v3's (tests/test_cuda_chunk_bwd_prep_emu.py); tests/test_cuda_chunk_bwd.py and
-tests/test_cuda_stages.py check the CUDA code itself against prep v3 and the float64 reference.
+tests/test_cuda_stages.py check the CUDA code itself against the fp32 SIMT prep and the float64 reference.
 """
 import numpy as np
 import pytest
 
-from test_cuda_kda_prep2_emu import emu_cross_tiles
-from test_cuda_kda_prep_emu import cross_tile
+from test_cuda_kda_prep2_emu import cross_tile, emu_cross_tiles
 
 C, SUB, PASS, KP = 64, 16, 32, 128
 

@@ -52,10 +52,17 @@ WY2_CASES = {
     "k96_v96_varlen": dict(H=2, HV=2, K=96, V=96, cu=[0, 0, 64, 64, 129, 200]),
 }
 
+# shapes for the GVA reduce kernel only (G = HV / H value heads per key head; K % 4 != 0 runs its scalar instance)
+GVA_CASES = {
+    "gva_h2_g2": dict(B=2, T=130, H=2, HV=4, K=128, V=64),
+    "gva_g3_k30": dict(B=1, T=70, H=2, HV=6, K=30, V=20),
+    "gva_g8_varlen": dict(H=1, HV=8, K=64, V=32, cu=[0, 0, 50, 50, 177]),
+}
+
 
 def _run(family, case, dtype, with_state=True, g_fill=None):
     # g_fill: the -20 gates of an extreme case set to this value instead (e.g. -1e4: e^g = 0 exactly)
-    spec = dict(CASES[case] if case in CASES else WY2_CASES[case])
+    spec = dict(CASES[case] if case in CASES else {**WY2_CASES, **GVA_CASES}[case])
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
@@ -132,7 +139,8 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     `seed`: two calls with one seed see the same ones). Cases outside CASES: T200_* (B=1 T=200 H=1 HV=2);
     T200_gates_1e4 puts the -20 gates of make_inputs(extreme=True) at -1e4 (e^g = 0 exactly), T200_gates_50[_rows]
     at -50 (_gates_50)."""
-    spec = dict(CASES[case]) if case in CASES else dict(WY2_CASES.get(case, dict(B=1, T=200, H=1, HV=2)))
+    spec = dict(CASES[case]) if case in CASES else dict({**WY2_CASES, **GVA_CASES}.get(case, dict(B=1, T=200, H=1,
+                                                                                                  HV=2)))
     cu_list = spec.pop("cu", None)
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     # Kernel-against-kernel comparisons at fp32-rounding tolerances: both sides run state_bwd3 and grad3_vc_tc with
@@ -161,30 +169,33 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
 
 
+# knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
+RETIRED_BWD = ["STATE=1", "GRAD=1", "GRAD=2", "CH=1", "PREP=1", "PREP=3"]
+
+
+@pytest.mark.parametrize("knob", RETIRED_BWD)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-@pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "T200_gates_1e4"])
-def test_chunk_bwd_state_v1_matches_v2(family, case, monkeypatch):
-    # the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1, kept to compare) and the default v2 compute the same
-    # recurrences from the same decay products; only the fp32 summation order differs. T200_gates_1e4: 30 % of
-    # the gates at -1e4 (e^g = 0 exactly): everything finite
-    a, b = bwd_default_and_knob(family, case, torch.float32, 7, "STATE=1", monkeypatch)
-    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
-        assert torch.isfinite(x).all(), name
-        assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5)
+def test_retired_bwd_knob_values_are_refused(family, knob, monkeypatch):
+    # (PREP=3: KDA's prep v3 only; GDN's prep v3 is its default prep, test_gdn_bwd_prep4_is_prep3)
+    if knob == "PREP=3" and family == "gdn":
+        pytest.skip("GDN's prep v3 stays (its default bf16/fp16 prep)")
+    name, val = knob.split("=")
+    monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
+    q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
+    do = torch.randn_like(v)
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session 9"):
+        getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
+    with pytest.raises(RuntimeError, match="retired in session 9"):
+        getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_bf16"])
-@pytest.mark.parametrize("knob", ["GRAD=1", "GRAD=2", "GRAD=2,STATE=1", "PREP=1", "PREP=2", "STATE_FWD=2",
-                                  "STATE_BWD=2", "VC=1"])
+@pytest.mark.parametrize("knob", ["PREP=2", "STATE_FWD=2", "STATE_BWD=2", "VC=1"])
 def test_chunk_bwd_grad_v1_matches_v2(family, case, knob, monkeypatch):
-    # the v1 grad kernel (KDA_CUDA_CHUNK_BWD_GRAD=1, kept to compare), grad2 (=2; sub-block factorisation of the
-    # intra-chunk decays, register back substitution; with the v1 state kernels too) and the default split grad3
-    # kernels (whose intermediates reuse the v2 state buffers; test_chunk_bwd_state_v1_matches_v2 runs grad3 with
-    # the v1 state kernels, where it allocates its own), and likewise v1 prep
-    # (KDA_CUDA_CHUNK_BWD_PREP=1) and the default (forward substitution in registers), compute the same gradients;
-    # only the fp32 summation order differs. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
+    # (the name is historical: grad v1 / grad2 and prep v1 were retired in session 9) each knob's kernel against the
+    # default, same gradients up to fp32 rounding. T200_gates_1e4: 30 % of the gates at -1e4 (e^g = 0 exactly):
     # everything finite. PREP=2 (the fp32 SIMT prep) against the default tensor-core prep (v4 for KDA, v3 for GDN),
     # which runs for bf16/fp16 inputs only (fp32 inputs take the SIMT prep either way): every case in bf16; its
     # products are 3xTF32 / exact bf16 with fp32 accumulation, so the fp32 outputs dg, dbeta, dh0 must agree to
@@ -230,39 +241,12 @@ def test_chunk_bwd_vc_tc_many_chunks(family, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "varlen_empty", "gva_4x", "odd_dims", "gate_div_0.1",
-                                  "T200_gates_1e4", "T1000", "v200_blocks_varlen"])
-def test_gdn_grad3_matches_grad3_ch(case, dtype, monkeypatch):
-    # GDN's last grad kernel grad3_gdn (per-head decays as plain products on tensor cores; the default,
-    # KDA_CUDA_CHUNK_BWD_CH=2) against the per-channel grad3_ch (=1, kept to compare), same inputs with initial state
-    # and grad of the final state, 30 % of the gates at -20 (bwd_default_and_knob's extreme=True; with gate_div_0.1
-    # that is the extreme_gates case; T200_gates_1e4: at -1e4, e^g = 0 exactly). The two
-    # differ only in fp32 rounding (exp of prefix differences vs running products, 2xTF32 / 3xTF32 products vs SIMT
-    # FMAs): 1e-4 for the fp32 outputs dg, dbeta (dh0, dv: the same kernels either way), 2e-5 for fp32 dq, dk and
-    # the bf16 / fp16 rounding of dq, dk otherwise
-    if dtype == "fp16" and case not in ("random_T65", "varlen_empty", "T200_gates_1e4"):
-        pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
-    dt = DTYPES[dtype]
-    a, b = bwd_default_and_knob("gdn", case, dt, 23, "CH=1", monkeypatch)
-    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
-        assert torch.isfinite(x).all(), name
-        assert torch.isfinite(y).all(), name
-        fp32_out = name in ("dg", "dbeta", "dh0")
-        tol = 1e-4 if fp32_out else (2e-5 if dt == torch.float32 else 0.008)
-        assert_close(name, y.double().cpu(), x.double().cpu(), tol)
-    # the knob really selects another kernel: the outputs differ in rounding somewhere (the same numbers everywhere
-    # would mean CH=1 ran the default kernel again)
-    if case != "T1":
-        assert any(not torch.equal(x, y) for x, y in zip(a[:4], b[:4])), \
-            "KDA_CUDA_CHUNK_BWD_CH=1 gave bit-identical dq, dk, dv, dg: the knob had no effect?"
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", ["random_T65", "varlen_empty", "gva_4x", "odd_dims", "extreme_gates",
                                   "extreme_gates_mild", "gate_div_0.1", "T1000", "v256_blocks"])
 def test_gdn_grad3_reference(case, dtype, monkeypatch):
     # grad3_gdn (selected explicitly, KDA_CUDA_CHUNK_BWD_CH=2) against autograd through the float64 reference, with
-    # initial state and grad of the final state, at DESIGN.md section 6 tolerances (as test_chunk_bwd)
+    # initial state and grad of the final state, at DESIGN.md section 6 tolerances (as test_chunk_bwd; its session-7
+    # comparison partner grad3_ch, KDA_CUDA_CHUNK_BWD_CH=1, was retired in session 9)
     if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "varlen_empty", "gva_4x"):
         pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
     if case == "T1000" and dtype != "fp32":
@@ -287,11 +271,12 @@ CH2_CASES = ["varlen_empty", "gva_4x", "odd_dims", "T1000", "T200_gates_50", "T2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CH2_CASES)
-@pytest.mark.parametrize("knob", ["CH=1", "CH=3"])
+@pytest.mark.parametrize("knob", ["CH=3"])
 def test_chunk_bwd_ch2_matches_ch1(case, dtype, knob, monkeypatch):
     # KDA's per-channel grad stage: grad3_ch2 (the default, delta_chunk_bwd_grad3_ch2.cuh: clusters of 4 blocks of
-    # 32 channels, dbeta summed over the cluster) against grad3_ch_kernel (KDA_CUDA_CHUNK_BWD_CH=1), and against its
-    # own 128-register instance (=3); same fp32 quantities, only the summation order differs. Varlen with empty
+    # 32 channels, dbeta summed over the cluster) against its own 128-register instance (=3; grad3_ch_kernel, CH=1,
+    # was retired in session 9: test_chunk_bwd_ch2_reference checks against the float64 reference); same fp32
+    # quantities, only the summation order differs. Varlen with empty
     # sequences, GVA, odd K (channel groups past K), 16 chunks, gates at -50 (products underflow) and -1e4 (e^g = 0)
     # mixed with ordinary ones; initial state and grad of the final state throughout
     a, b = bwd_default_and_knob("kda", case, dtype, 23, knob, monkeypatch)
@@ -402,13 +387,14 @@ def test_kda_bwd_prep4_reference(case, dtype, version, monkeypatch):
 @PREP4_VERSIONS
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_gates_50_rows", "T200_bf16", "T1000"])
-def test_kda_bwd_prep4_matches_prep3(case, version, monkeypatch):
-    # prep v4 against prep v3 (KDA_CUDA_CHUNK_BWD_PREP=3, set explicitly) in the whole backward, bf16 inputs, extreme
-    # gates (bwd_default_and_knob: 30 % at -20; T200_gates_1e4 at -1e4, T200_gates_50_rows at -50 plus whole
-    # tokens): both form every gate factor exactly and every product in 3xTF32 / fp32, so the fp32 outputs dg,
-    # dbeta, dh0 agree to 1e-4 (as PREP=2 vs 3 in test_chunk_bwd_grad_v1_matches_v2), dq, dk, dv to their bf16
-    # rounding; and the two really differ in rounding somewhere (the knob selects another kernel)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "3")
+def test_kda_bwd_prep4_matches_prep2(case, version, monkeypatch):
+    # prep v4 against the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2, set explicitly; its session-8 partner, prep v3,
+    # was retired in session 9) in the whole backward, bf16 inputs, extreme gates (bwd_default_and_knob: 30 % at
+    # -20; T200_gates_1e4 at -1e4, T200_gates_50_rows at -50 plus whole tokens): both form every gate factor
+    # exactly and every product in 3xTF32 / fp32, so the fp32 outputs dg, dbeta, dh0 agree to 1e-4 (as PREP=2 in
+    # test_chunk_bwd_grad_v1_matches_v2), dq, dk, dv to their bf16 rounding; and the two really differ in rounding
+    # somewhere (the knob selects another kernel)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "2")
     a, b = bwd_default_and_knob("kda", case, torch.bfloat16, 29, f"PREP={version}", monkeypatch)
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
@@ -425,3 +411,62 @@ def test_gdn_bwd_prep4_is_prep3(monkeypatch):
     _, c = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=5", monkeypatch)
     for name, x, y, z in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b, c):
         assert torch.equal(x, y) and torch.equal(x, z), name
+
+
+def _ulps(x, y, dtype):
+    """|x - y| in units of the last place of dtype at max(|x|, |y|) (normal range; 0 where both are equal)."""
+    x, y = x.double().cpu(), y.double().cpu()
+    eps = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).tiny
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.tensor(tiny))))) * eps
+    return ((x - y).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", ["random_T65", "gva_4x", "odd_dims", "varlen_empty", "v256_blocks"] + list(GVA_CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
+    # the GVA reduce of dq, dk in one CUDA launch (delta_gva_reduce.cuh, KDA_CUDA_CHUNK_BWD_GVA=1) against the torch
+    # path (sum_gva(...).to(dtype), the default), same kernels before it: dq, dk sum the same fp32 terms in the same
+    # order for G = HV / H <= 2 and round to nearest even, so bit-identical there; for G > 2 torch's reduction order
+    # may differ from the kernel's j = 0, 1, ...: at most 1 ulp of a bf16 / fp16 output (the fp32 sums differ far
+    # below it), fp32 outputs to 1e-6 relative RMS (with cancellation a reordered fp32 sum can be many ulps of the
+    # result). dv, dg, dbeta, dh0 come from the same kernels: bit-identical.
+    if dtype == "fp16" and case not in ("gva_4x", "gva_g3_k30"):
+        pytest.skip("fp16 differs from bf16 only in the store conversion; a subset suffices")
+    dt = DTYPES[dtype]
+    a, b = bwd_default_and_knob(family, case, dt, 37, "GVA=1", monkeypatch)
+    spec = dict(CASES[case]) if case in CASES else dict(GVA_CASES[case])
+    G = spec["HV"] // spec["H"]
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.is_contiguous() and y.is_contiguous(), name
+        assert torch.isfinite(y).all(), name
+        if name in ("dq", "dk") and G > 2 and dt == torch.float32:
+            assert_close(name, x.double().cpu(), y.double().cpu(), 1e-6)
+        elif name in ("dq", "dk") and G > 2:
+            assert _ulps(x, y, dt) <= 1, name
+        else:
+            assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["gva_4x", "odd_dims", "varlen_empty"] + list(GVA_CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_gva_reduce_kernel_reference(family, case, dtype, monkeypatch):
+    # the GVA reduce kernel in the whole backward against autograd through the float64 reference (as test_chunk_bwd)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_GVA", "1")
+    _run(family, case, DTYPES[dtype])
+
+
+@pytest.mark.parametrize("knob", ["0", "1"])
+def test_gva_reduce_kernel_runs_under_its_knob(knob, monkeypatch):
+    # the knob really selects the kernel (bit-identical results cannot show it): gva_reduce_kernel is launched with
+    # KDA_CUDA_CHUNK_BWD_GVA=1 and only then
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_GVA", knob)
+    q, k, v, g, beta = make_inputs("kda", B=1, T=64, H=1, HV=2, dtype=torch.bfloat16, seed=41)
+    do = torch.randn_like(v)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        OPS.kda_chunk_bwd(q, k, v, g, beta, 0.1, None, None, do, None)
+        torch.cuda.synchronize()
+    ran = any("gva_reduce_kernel" in e.name for e in prof.events())
+    assert ran == (knob == "1")

@@ -7,10 +7,11 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 200), batches, varlen with empty sequences, GVA, initial state, K=V=128, K=V=64, odd K/V (40/30, padded to the
 64-wide path), V spanning several column tiles, fp32/bf16/fp16, T=2048, the fp32 workspace for bf16 inputs
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
-bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh) by default; test_gdn_prep_new_vs_old compares it
-with the generic prep kernel (KDA_CUDA_GDN_PREP=0) in one process. Likewise KDA with bf16/fp16 inputs
-(kda_chunk_prep2.cuh by default, KDA_CUDA_KDA_PREP=2; test_kda_prep2_vs_v1_and_reference against the v1 kernel
-kda_chunk_prep.cuh, =1, and the float64 reference; test_kda_prep_new_vs_old: v1 against the generic kernel, =0). The scan is the bulk-prefetch kernel
+bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; test_gdn_prep_reference). Likewise KDA with
+bf16/fp16 inputs (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
+test_kda_prep2_split8_vs_plain_and_reference). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
+(KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were retired in session 9 (test_retired_fwd_knob_values_are_refused).
+The scan is the bulk-prefetch kernel
 delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16, V <= 256 and its
 blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls, fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
 delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
@@ -192,52 +193,51 @@ def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1",
                                   "gva_4x", "kv64", "odd_kv", "cp_width_v256", "varlen", "varlen_extreme"])
-def test_gdn_prep_new_vs_old(case, dtype, ws, monkeypatch):
-    """The GDN prep kernel (default for bf16/fp16) against the generic prep kernel (KDA_CUDA_GDN_PREP=0): the
-    scan is the same, so o and the final state agree up to rounding (fp32 workspace: the final state to 1e-4;
-    o is rounded to the input dtype in both)."""
-    (o0, s0), (o1, s1) = fwd_per_knob("gdn", case, dtype, ws, "KDA_CUDA_GDN_PREP", ("0", "1"), monkeypatch)
-    assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
-    assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-4)
+def test_gdn_prep_reference(case, dtype, ws, monkeypatch):
+    """The GDN prep kernel (default for bf16/fp16) with either workspace against the float64 reference (its
+    session-4 partner, the generic prep for 16-bit inputs, KDA_CUDA_GDN_PREP=0, was retired in session 9)."""
+    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
+    run_case("gdn", case, dtype, h0_on=True)
 
 
-@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T200", "T2048", "correlated_keys", "gate_div_0.1", "extreme_gates",
-                                  "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv", "cp_width_v256", "varlen",
-                                  "varlen_extreme"])
-def test_kda_prep_new_vs_old(case, dtype, ws, monkeypatch):
-    """The KDA prep kernel v1 (KDA_CUDA_KDA_PREP=1) against the generic prep kernel (KDA_CUDA_KDA_PREP=0): the
-    scan is the same, so o and the final state agree up to rounding: o is rounded to the input dtype in both, and
-    the tf32 operands of the cross-sub-chunk products are formed from differently rounded (equally exact) gate
-    factors, so unlike the GDN prep (bf16-exact operands) the fp32-workspace state is not bit-close: 1e-3."""
-    (o0, s0), (o1, s1) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("0", "1"), monkeypatch)
-    assert torch.isfinite(o1.float()).all() and torch.isfinite(s1).all()
-    assert_close("o (new prep vs old)", o0.float().cpu(), o1.float().cpu(), 3e-3)
-    assert_close("final_state (new prep vs old)", s0.cpu(), s1.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
-
-
-@pytest.mark.parametrize("version", ["2", "3"], ids=["v2", "v2_split8"])
 @pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["T65", "T200", "T2048", "correlated_keys", "gate_div_0.1", "gate_div_10",
                                   "extreme_gates", "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv",
                                   "cp_width_v256", "varlen", "varlen_extreme"])
-def test_kda_prep2_vs_v1_and_reference(case, dtype, ws, version, monkeypatch):
-    """The KDA prep kernel v2 (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=2: gate factors within a sub-chunk as
-    products of e^{g_i}; =3 the same with the diagonal blocks split in 8x8 quarters) against v1 (=1, exponentials
-    of gate sums) on the same inputs and initial state (varlen cases include empty sequences; extreme gates -20
-    and -1e4): both finite, o and the final state close to each other (the tf32 operands are formed from
-    differently rounded, equally exact factors) and to the float64 reference."""
-    (o1, s1), (o2, s2) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("1", version), monkeypatch)
-    assert torch.isfinite(o2.float()).all() and torch.isfinite(s2).all()
-    assert_close("o (prep v2 vs v1)", o1.float().cpu(), o2.float().cpu(), 3e-3)
-    assert_close("final_state (prep v2 vs v1)", s1.cpu(), s2.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
+def test_kda_prep2_split8_vs_plain_and_reference(case, dtype, ws, monkeypatch):
+    """The KDA prep kernel v2 (kda_chunk_prep2.cuh: gate factors within a sub-chunk as products of e^{g_i}) with
+    the diagonal blocks split in 8x8 quarters (KDA_CUDA_KDA_PREP=3, the default) and without (=2), on the same
+    inputs and initial state (varlen cases include empty sequences; extreme gates -20 and -1e4): both finite,
+    close to each other (the tf32 operands are formed from differently rounded, equally exact factors) and to the
+    float64 reference. (Its session-7 partner, the v1 kernel kda_chunk_prep.cuh, =1, was retired in session 9.)"""
+    (o2, s2), (o3, s3) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("2", "3"), monkeypatch)
+    for o, st in ((o2, s2), (o3, s3)):
+        assert torch.isfinite(o.float()).all() and torch.isfinite(st).all()
+    assert_close("o (split8 vs plain)", o2.float().cpu(), o3.float().cpu(), 3e-3)
+    assert_close("final_state (split8 vs plain)", s2.cpu(), s3.cpu(), 2e-3 if ws == "ws_bf16" else 1e-3)
     (q, k, v, g, beta), h0, cu = case_inputs("kda", case, dtype)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=q.shape[3] ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
-    assert_close("o (prep v2)", ro, o2.cpu(), TOL[dtype])
-    assert_close("final_state (prep v2)", rs, s2.cpu(), TOL[dtype])
+    for name, o, st in (("plain", o2, s2), ("split8", o3, s3)):
+        assert_close(f"o (prep v2 {name})", ro, o.cpu(), TOL[dtype])
+        assert_close(f"final_state (prep v2 {name})", rs, st.cpu(), TOL[dtype])
+
+
+# knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
+RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "0"),
+               ("gdn", "KDA_CUDA_GDN_PREP", "0")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family,knob,value", RETIRED_FWD)
+def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeypatch):
+    monkeypatch.setenv(knob, value)
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "T65", dtype)
+    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session 9"):
+        getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, 0.1, h0, cu)
+    with pytest.raises(RuntimeError, match="retired in session 9"):
+        getattr(OPS, f"{family}_chunk_fwd_stage")([], 0, q, k, v, g, beta, 0.1, None, cu)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

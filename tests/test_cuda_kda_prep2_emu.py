@@ -1,7 +1,7 @@
 """CPU emulation of the index math of the KDA prep kernel v2 (kernels_src/cuda/kda_chunk_prep2.cuh).
 
 Replays thread by thread (lane by lane for the tensor-core fragments and the fragment-order stores) what differs
-from v1 (tests/test_cuda_kda_prep_emu.py): a = e^g in place and the sub-chunk gate sums (S1), the per-pass build
+from v1 (retired in session 9 with its emulation): a = e^g in place and the sub-chunk gate sums (S1), the per-pass build
 of the 64-row factor tables F / R (products) and of Pre / Suf / the cross factors / decay (exponentials of sums of
 sub-chunk gate sums), P2 over the 64-row tables, the pass-local fragment-order stores of q~ and k~^T (W), the branch-free in-sub-chunk pairs with
 running products (P1: rows outside the triangle keep f = 1 and are masked at the end), and X = k e^G from Pre and
@@ -14,9 +14,17 @@ import numpy as np
 import pytest
 
 from test_cuda_gdn_prep_emu import acc_to_afrag, frag_index, unfrag
-from test_cuda_kda_prep_emu import cross_tile
 
 C, SUB, PASS = 64, 16, 32
+
+
+def cross_tile(tile):
+    """Cross-sub-chunk tile number (0..23) -> row block a (1..3), matrix (0: q, 1: k), 8-column tile nt (< 2a), as
+    cross_tile of kda_chunk_prep2.cuh (moved here with it from the retired v1 emulation, test_cuda_kda_prep_emu.py)."""
+    a = 1 if tile < 4 else (2 if tile < 12 else 3)
+    local = tile - (0 if a == 1 else (4 if a == 2 else 12))
+    mat = local // (2 * a)
+    return a, mat, local - mat * 2 * a
 
 
 def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):

@@ -119,20 +119,21 @@ def test_stage_misuse_is_refused():
 # Indices into the backward's work list (enum BwdWork of delta_chunk_bwd_host.cuh) of what the prep stage writes, and
 # the rows of each that belong to real chunks: ("chunk", n) = n floats per (chunk, value head), ("token", n) = n
 # per (token, value head). The rest of the list is written by later stages or not at all.
-_PREP_OUT = {"aqk": (1, "chunk", 64 * 64), "akk": (2, "chunk", 64 * 64), "wc": (4, "chunk", 64 * 128),
-             "kendc": (5, "chunk", 64 * 128), "qgc": (6, "chunk", 64 * 128), "glc": (7, "chunk", 128),
-             "u": (8, "token", None)}
+_PREP_OUT = {"aqk": (1, "chunk", 64 * 64), "akk": (2, "chunk", 64 * 64), "wc": (3, "chunk", 64 * 128),
+             "kendc": (4, "chunk", 64 * 128), "qgc": (5, "chunk", 64 * 128), "glc": (6, "chunk", 128),
+             "u": (7, "token", None)}
 
 
 @pytest.mark.parametrize("version", ["4", "5"], ids=["prep4_split8", "prep4"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES) + ["gates_1e4", "gates_50_rows"])
-def test_kda_bwd_prep4_matches_prep3(case, dtype, version, monkeypatch):
+def test_kda_bwd_prep4_matches_prep2(case, dtype, version, monkeypatch):
     """The KDA backward prep v4 (delta_chunk_bwd_prep4.cuh; KDA_CUDA_CHUNK_BWD_PREP=4 with the 8x8 split, =5
-    without) against prep v3 (=3), output by output: stage 0 of kda_chunk_bwd_stage runs only the prep, and its
-    work list holds A_qk, A_kk, w, K Eend, Q Gam, Gam_last (row-major fp32, zero / one padded) and u. Both form
-    every gate factor exactly (v3: exponentials of double gate sums; v4: running products of e^g within a
-    16-token sub-chunk, exponentials of float sums across), with 3xTF32 products: relative RMS <= 3e-5 for the
+    without) against the fp32 SIMT prep (=2; the session-8 partner prep v3 was retired in session 9), output by
+    output: stage 0 of kda_chunk_bwd_stage runs only the prep, and its work list holds A_qk, A_kk, w, K Eend,
+    Q Gam, Gam_last (row-major fp32, zero / one padded) and u. Both form every gate factor exactly (SIMT: running
+    products in fp32; v4: running products of e^g within a 16-token sub-chunk, exponentials of float sums across),
+    with fp32 / 3xTF32 products: relative RMS <= 3e-5 for the
     direct products, 3e-4 for w and u (through the inverse of I + A_kk Diag(beta)), over the valid rows of every
     buffer (padding rows / columns included: they must be the same zeros / ones). gates_1e4 / gates_50_rows: the
     extreme_gates case with its -20 gates at -1e4 (e^g = 0 exactly) / -50 plus every 7th token's gates at -50."""
@@ -150,7 +151,7 @@ def test_kda_bwd_prep4_matches_prep3(case, dtype, version, monkeypatch):
     chunks = sum((n + 63) // 64 for n in lens)
     stage = OPS.kda_chunk_bwd_stage
     outs = {}
-    for ver in ("3", version):
+    for ver in ("2", version):
         monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", ver)
         work = stage([], 0, *x, None, cu, do, None)
         torch.cuda.synchronize()
@@ -160,7 +161,7 @@ def test_kda_bwd_prep4_matches_prep3(case, dtype, version, monkeypatch):
             assert work[i].numel() >= rows, f"work[{i}] ({name}) is smaller than expected: enum BwdWork changed?"
             outs[ver][name] = work[i][:rows].clone()
     differ = False
-    for name, a in outs["3"].items():
+    for name, a in outs["2"].items():
         b = outs[version][name]
         assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
         err = _rel(b, a)

@@ -11,7 +11,7 @@ graphs where capture works. Also: our backward core op alone (kda_chunk_bwd / gd
 torch.cuda.max_memory_allocated above the inputs over one fwd+bwd. fla's refusals (GDN backward on Hopper with
 Triton 3.6) are recorded as they are raised.
 
-    BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GRAD=3" python3 benchmarks/cuda/bench_chunk_bwd.py
+    BENCH_NSHAPES=1 BENCH_OURS_VARIANTS="KDA_CUDA_CHUNK_BWD_GVA=1" python3 benchmarks/cuda/bench_chunk_bwd.py
 adds rows "ours[KNOB=VAL,...]" (each ;-separated variant's knobs set while it is timed) beside the defaults.
 BENCH_SHAPES=B4,varlen keeps the shapes whose names (B1_T8192, B1_T32768, B4_T4096, varlen) start with one
 of the comma-separated prefixes. BENCH_SKIP_RECURRENT=1 leaves out the (slow, eager-only) recurrent backward rows; BENCH_PHASES sets the order

@@ -54,8 +54,8 @@ KNOB_SWEEPS = [
      "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
      "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block)"),
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
-     "0 the generic prep, 1 kda_chunk_prep v1, 2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 "
-     "inputs"),
+     "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs (0, the generic prep, and 1, "
+     "kda_chunk_prep v1: retired in session 9, refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs, "
      "5 state_fwd4 (tf32, bulk copies)"),
@@ -66,10 +66,16 @@ KNOB_SWEEPS = [
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 3 the tensor-core prep v3, 4 the KDA prep v4 with the 8x8 split, the default for "
-     "bf16/fp16 inputs, 5 it without (GDN: 4 and 5 run prep v3)"),
+     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs, 5 it without "
+     "(GDN: every value but 2 runs its prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, refused)"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
-     "1 grad3_ch_kernel, 2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance"),
+     "2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance (1, grad3_ch_kernel: "
+     "retired in session 9, refused)"),
+    ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
+     "1 the SIMT grad3_wy (the default where V % 4 != 0), 2 grad3_wy2 on tensor cores, the default, 3 it with plain "
+     "tf32 for bf16 inputs"),
+    ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
+     "0 the GVA reduce of dq, dk in torch, the default, 1 gva_reduce_kernel (one launch for both)"),
     ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,
      "0 no windows, the default (one call over the whole sequence), N tokens per window, -1 about 65536 / (B * HV), "
      "2048 at B1 HV32 (the windowed backward also runs the chunked forward over all windows but the last)"),
@@ -114,14 +120,6 @@ def main():
     ap.add_argument("--peak", action="store_true",
                     help="also record each timed row's peak memory above the inputs (MiB) under FAMILY.peak_mib")
     ap.add_argument("--once", default=None, help="one call of FAMILY_PHASE (kda_fwd, gdn_bwd, ...) after a warm-up")
-    ap.add_argument("--bwd-state-v1", action="store_true",
-                    help="also time the backward with the v1 state kernels (KDA_CUDA_CHUNK_BWD_STATE=1) as bwd_state_v1")
-    ap.add_argument("--bwd-grad-v1", action="store_true",
-                    help="also time the backward with the v1 grad and prep kernels (KDA_CUDA_CHUNK_BWD_GRAD=1, "
-                         "KDA_CUDA_CHUNK_BWD_PREP=1) as bwd_grad_v1")
-    ap.add_argument("--bwd-grad2", action="store_true",
-                    help="also time the backward with the single grad2 kernel (KDA_CUDA_CHUNK_BWD_GRAD=2; the default "
-                         "is the split grad3) as bwd_grad2")
     ap.add_argument("--bwd-prep2", action="store_true",
                     help="also time the backward with the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2; the default for "
                          "bf16/fp16 inputs is a tensor-core prep, v4 for KDA, v3 for GDN) as bwd_prep2")
@@ -149,11 +147,8 @@ def main():
         extra = [(family == "kda" or not kda_only, phase, f"{row}{x}", {env: x})
                  for opt, env, phase, row, kda_only, _ in KNOB_SWEEPS
                  for x in getattr(args, opt[2:].replace("-", "_")).split(",") if x]
-        extra += [(args.bwd_state_v1, "bwd", "bwd_state_v1", {"KDA_CUDA_CHUNK_BWD_STATE": "1"}),
-                  (args.bwd_grad_v1, "bwd", "bwd_grad_v1",
-                   {"KDA_CUDA_CHUNK_BWD_GRAD": "1", "KDA_CUDA_CHUNK_BWD_PREP": "1"}),
-                  (args.bwd_grad2, "bwd", "bwd_grad2", {"KDA_CUDA_CHUNK_BWD_GRAD": "2"}),
-                  (args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
+        # (--bwd-state-v1, --bwd-grad-v1, --bwd-grad2: their kernels were retired in session 9)
+        extra += [(args.bwd_prep2, "bwd", "bwd_prep2", {"KDA_CUDA_CHUNK_BWD_PREP": "2"})]
         for flag, phase, name, knobs in extra:
             if flag and phase in phases:
                 with knobs_set(knobs):

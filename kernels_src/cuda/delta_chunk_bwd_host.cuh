@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "delta_chunk_bwd.cuh"
@@ -19,6 +20,7 @@
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
 #include "delta_chunk_bwd_grad3_ch2.cuh"
+#include "delta_gva_reduce.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -33,23 +35,21 @@ struct ChunkBwdF32 {
 // (chunk_bwd_stage): indices into the list, then the buffers. cfg is a CPU int64 [kBwCfgLen] (BwdCfg), the knobs
 // as stage 0 read them, so that later stages cannot read them differently.
 enum BwdWork {
-  kBwOff = 0, kBwAqk, kBwAkk, kBwW, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w,
-  kBwG3q, kBwG3k, kBwG3l, kBwCfg, kBwWorkSize
+  kBwOff = 0, kBwAqk, kBwAkk, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w, kBwCfg,
+  kBwWorkSize
 };
-// cfg entries: the v2 state buffers (0/1), grad mode, prep mode, chunks (nc_max), and the kernel choice of each
-// state stage with the v2 buffers (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-// kCfgCh: the last grad3 kernel (KDA_CUDA_CHUNK_BWD_CH; see chunk_bwd_grad_stage), read at stage 0 like the others
-// because it fixes dg's layout ([tokens, HV] from GDN's grad3_gdn, else [tokens, HV, K]; bwd_dg_per_head).
-enum BwdCfg { kCfgV2 = 0, kCfgGrad, kCfgPrep, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
+// cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
+// (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
+// kCfgCh: KDA's grad3_ch2 instance (KDA_CUDA_CHUNK_BWD_CH=3: the 128-register one; see chunk_bwd_grad_stage).
+enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
-// `work` empty: allocate it (knobs read now; `force_v2`: the v2 state kernels whatever KDA_CUDA_CHUNK_BWD_STATE
-// says, as the stages need them); else check it. Returns Params with every work pointer and the inputs set; the
-// output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
+// `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
+// set; the output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
 inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                                           double scale, const std::optional<at::Tensor>& initial_state,
                                           const std::optional<at::Tensor>& cu, const at::Tensor& grad_o,
-                                          std::vector<at::Tensor>& work, bool force_v2) {
+                                          std::vector<at::Tensor>& work) {
   namespace cb = chunk_bwd;
   const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
   auto f32 = q.options().dtype(at::kFloat);
@@ -57,44 +57,42 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // chunks: sum over sequences of ceil(len / 64) <= tokens / 64 + N
     const int64_t nc_max = cu.has_value() ? tokens / cb::CH + s.N : static_cast<int64_t>(s.B) * ((s.T + cb::CH - 1) / cb::CH);
     const int64_t nc1 = std::max<int64_t>(nc_max, 1);
-    // state kernels: v2 (default) or v1 (KDA_CUDA_CHUNK_BWD_STATE=1: the kernels that rescan the decays per chunk
-    // step; kept to compare). v2 stores w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last.
-    const bool v2 = force_v2 || env_int("KDA_CUDA_CHUNK_BWD_STATE", 2) != 1;
-    // grad kernel: 3 = the split grad3_vc / grad3_wy / grad3_ch (default: 12.3 vs grad2's 15.3 ms for the KDA
-    // backward at B1 T8192 H16 HV32 on the H200, session 5), 2 = grad2, 1 = v1 grad_kernel. grad3's
-    // intermediates reuse the v2 state buffers qgc / kendc / glc (dead after state_bwd2) and aqk / akk in place;
-    // dw is one more [chunks, HV, CH, KP] buffer.
-    const int grad_mode = env_int("KDA_CUDA_CHUNK_BWD_GRAD", 3);
+    // the state kernels read w per chunk padded (wc, read by grad too) plus K Eend, Q Gam, Gam_last from prep
+    // (KDA_CUDA_CHUNK_BWD_STATE=1, the v1 state kernels that rescanned the decays per chunk step: retired)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE", 1, "the v1 state kernels state_fwd_kernel / state_bwd_kernel");
+    // grad: the split grad v3 (grad3_vc / grad3_wy / the per-channel stage; KDA_CUDA_CHUNK_BWD_GRAD=1 / 2, the
+    // single-kernel grad v1 / grad2: retired). Its intermediates reuse the state buffers qgc / kendc / glc (dead
+    // after state_bwd) and aqk / akk in place; dw is one more [chunks, HV, CH, KP] buffer.
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_GRAD", 1, "the v1 grad kernel grad_kernel");
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_GRAD", 2, "the single-kernel grad2_kernel");
+    // the per-channel grad stage (KDA_CUDA_CHUNK_BWD_CH=1, grad3_ch_kernel: retired; see chunk_bwd_grad_stage)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 1, "the per-channel grad3_ch_kernel");
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
-    // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3 for 4 and 5),
-    // 5 = v4 without the split (0.91), 3 = v3 on tensor cores (delta_chunk_bwd_prep.cuh), 2 = the fp32 SIMT v2
-    // with the forward substitution in registers (always for fp32 inputs), 1 = v1; the older ones kept to compare
+    // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
+    // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 2 = the fp32 SIMT v2 with
+    // the forward substitution in registers (always for fp32 inputs). Retired: 3 for KDA (prep v3; refused by
+    // chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
     const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
-    auto none = [&] { return at::empty({1}, f32); };
     work.assign(kBwWorkSize, at::Tensor());
     work[kBwOff] = at::empty({s.N + 1}, q.options().dtype(at::kInt));
     work[kBwAqk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
     work[kBwAkk] = at::empty({nc1 * s.HV * cb::CH * cb::CH}, f32);
-    work[kBwW] = v2 ? none() : at::empty({std::max<int64_t>(tokens * s.HV * s.K, 1)}, f32);
-    work[kBwWc] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwKend] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwQg] = v2 ? at::empty({ctile}, f32) : none();
-    work[kBwGl] = v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
+    work[kBwWc] = at::empty({ctile}, f32);
+    work[kBwKend] = at::empty({ctile}, f32);
+    work[kBwQg] = at::empty({ctile}, f32);
+    work[kBwGl] = at::empty({nc1 * s.HV * cb::KP}, f32);
     work[kBwU0] = at::empty({tv}, f32);
     work[kBwU] = at::empty({tv}, f32);
     work[kBwDU] = at::empty({tv}, f32);
     work[kBwHs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
     work[kBwDhs] = at::empty({nc1 * s.HV * s.K * s.V}, f32);
-    const bool g3 = grad_mode == 3;
-    work[kBwG3w] = g3 ? at::empty({ctile}, f32) : none();
-    work[kBwG3q] = g3 && !v2 ? at::empty({ctile}, f32) : none();
-    work[kBwG3k] = g3 && !v2 ? at::empty({ctile}, f32) : none();
-    work[kBwG3l] = g3 && !v2 ? at::empty({nc1 * s.HV * cb::KP}, f32) : none();
+    work[kBwG3w] = at::empty({ctile}, f32);
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
-    c[kCfgV2] = v2; c[kCfgGrad] = grad_mode; c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
+    c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
@@ -122,8 +120,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
                   work[kBwCfg].device().is_cpu() && work[kBwCfg].numel() == kBwCfgLen,
               "[", op, "] work must be the list stage 0 returned");
   const int64_t* c = work[kBwCfg].data_ptr<int64_t>();
-  const bool v2 = c[kCfgV2] != 0;
-  const int grad_mode = static_cast<int>(c[kCfgGrad]);
   TORCH_CHECK(work[kBwOff].numel() == s.N + 1 &&
                   work[kBwHs].numel() == std::max<int64_t>(c[kCfgChunks], 1) * s.HV * s.K * s.V,
               "[", op, "] work does not match these inputs (pass the list stage 0 returned for the same inputs)");
@@ -140,20 +136,12 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
   p.B = s.B; p.T = s.T; p.H = s.H; p.HV = s.HV; p.K = s.K; p.V = s.V; p.N = s.N;
   p.scale = static_cast<float>(scale);
   p.chunk_off = work[kBwOff].data_ptr<int>();
-  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk); p.w = fp(kBwW);
+  p.aqk = fp(kBwAqk); p.akk = fp(kBwAkk);
   p.u = fp(kBwU0); p.U = fp(kBwU); p.dU = fp(kBwDU);
   p.hs = fp(kBwHs); p.dhs = fp(kBwDhs);
-  if (v2) {
-    p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
-  }
-  if (grad_mode == 3) {
-    p.gdw = fp(kBwG3w);
-    if (v2) {
-      p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
-    } else {
-      p.gdqg = fp(kBwG3q); p.gdkend = fp(kBwG3k); p.gdgl = fp(kBwG3l);
-    }
-  }
+  p.wc = fp(kBwWc); p.kendc = fp(kBwKend); p.qgc = fp(kBwQg); p.glc = fp(kBwGl);
+  p.gdw = fp(kBwG3w);
+  p.gdqg = p.qgc; p.gdkend = p.kendc; p.gdgl = p.glc;
   return p;
 }
 
@@ -163,24 +151,14 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
 template <bool PC>
 void chunk_bwd_set_smem() {
   namespace cb = chunk_bwd;
-  allow_dynamic_smem(cb::prep_kernel<PC, true>, cb::kPrepSmem);
-  allow_dynamic_smem(cb::prep_kernel<PC, false>, cb::kPrepSmem);
-  // prep v3 (tensor cores, bf16/fp16 inputs): two blocks per SM need the largest shared-memory carveout
-  allow_dynamic_smem(cb::prep3_kernel<PC, __nv_bfloat16>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
-  allow_dynamic_smem(cb::prep3_kernel<PC, __half>(), cb::prep3_smem<PC>(), /*max_carveout=*/true);
-  allow_dynamic_smem(cb::state_fwd_kernel<PC>, cb::kStateFwdSmem);
-  allow_dynamic_smem(cb::state_bwd_kernel<PC>, cb::kStateBwdSmem);
+  allow_dynamic_smem(cb::prep_kernel<PC>, cb::kPrepSmem);
   allow_dynamic_smem(cb::state_fwd2_kernel<PC>, cb::kStateFwd2Smem);
   allow_dynamic_smem(cb::state_bwd2_kernel<PC>, cb::kStateBwd2Smem);
-  allow_dynamic_smem(cb::grad_kernel<PC>, cb::kGradSmem);
-  allow_dynamic_smem(cb::grad2_kernel<PC>, cb::kGradSmem);
   allow_dynamic_smem(cb::grad3_wy_kernel<PC>, cb::kWySmem, /*max_carveout=*/true);  // two 105 KB blocks per SM
-  allow_dynamic_smem(cb::grad3_ch_kernel<PC>, cb::kGradSmem);
 }
 
 inline int64_t bwd_cfg(const std::vector<at::Tensor>& work, BwdCfg i) { return work[kBwCfg].data_ptr<int64_t>()[i]; }
 inline int64_t bwd_nc_max(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgChunks); }
-inline bool bwd_v2(const std::vector<at::Tensor>& work) { return bwd_cfg(work, kCfgV2) != 0; }
 
 // Stage prep: the chunk table and the per-chunk products (no state needed).
 template <bool PC>
@@ -194,21 +172,19 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
   if (nc_max > 0 && s.HV > 0) {
     const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
     const int64_t prep_mode = bwd_cfg(work, kCfgPrep);
-    if (prep_mode == 1) {
-      cb::prep_kernel<PC, false><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    } else if (prep_mode == 2 || p.in_dtype == kF32) {
-      cb::prep_kernel<PC, true><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    } else if (prep_mode == 4 || prep_mode == 5) {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3
+    if (prep_mode == 2 || p.in_dtype == kF32) {
+      cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
+    } else {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3 (any value but 2)
+      if constexpr (PC)
+        TORCH_CHECK(prep_mode != 3, "KDA_CUDA_CHUNK_BWD_PREP=3 selected the KDA prep v3 prep3_kda_kernel, retired in "
+                    "session 9 (docs/cuda.md, \"Retired kernels\"): unset KDA_CUDA_CHUNK_BWD_PREP or pick another "
+                    "value");
       constexpr size_t smem4 = cb::prep4_smem<PC>();
-      const bool bf = p.in_dtype == kBF16, s8 = prep_mode == 4;
+      const bool bf = p.in_dtype == kBF16, s8 = prep_mode != 5;
       auto kern = bf ? (s8 ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __nv_bfloat16, false>())
                      : (s8 ? cb::prep4_kernel<PC, __half, true>() : cb::prep4_kernel<PC, __half, false>());
       allow_dynamic_smem(kern, smem4, /*max_carveout=*/true);  // two blocks per SM
       kern<<<gchunks, cb::NT, smem4, st>>>(p);
-    } else {
-      constexpr size_t prep3_smem = cb::prep3_smem<PC>();
-      if (p.in_dtype == kBF16) cb::prep3_kernel<PC, __nv_bfloat16>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
-      else cb::prep3_kernel<PC, __half>()<<<gchunks, cb::NT, prep3_smem, st>>>(p);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -227,9 +203,7 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
-  if (!bwd_v2(work)) {
-    cb::state_fwd_kernel<PC><<<gseq, cb::NT, cb::kStateFwdSmem, st>>>(p);
-  } else if (mode == 5 && p.in_dtype != kF32 && cc_major() >= 9) {
+  if (mode == 5 && p.in_dtype != kF32 && cc_major() >= 9) {
     // state_fwd4 (delta_chunk_bwd_state_fwd4.cuh): bulk copies, sm_90+; state_fwd3's shared memory + 32 bytes
     static_assert(cb::kStateFwd4Smem <= cb::kGradSmem, "state_fwd4 needs more shared memory than kGradSmem");
     auto kern = cb::state_fwd4_kernel<PC>;
@@ -257,20 +231,18 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
   // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
   // kGradSmem, which every chunked backward checks the device for before its first stage)
-  if (bwd_v2(work) && (mode == 5 || mode == 6) && p.in_dtype != kF32 && cc_major() >= 9) {
+  if ((mode == 5 || mode == 6) && p.in_dtype != kF32 && cc_major() >= 9) {
     // state_bwd4 (delta_chunk_bwd_state_bwd4.cuh): bulk copies, sm_90+; state_bwd3's shared memory + 24 bytes
     static_assert(cb::kStateBwd4Smem <= cb::kGradSmem, "state_bwd4 needs more shared memory than kGradSmem");
     auto kern = mode == 6 ? cb::state_bwd4_kernel<PC, true> : cb::state_bwd4_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd4Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd4Smem, st>>>(p);
-  } else if (bwd_v2(work) && (mode >= 3 && mode <= 6) && p.in_dtype != kF32) {
+  } else if ((mode >= 3 && mode <= 6) && p.in_dtype != kF32) {
     auto kern = (mode == 3 || mode == 6) ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
-  } else if (bwd_v2(work)) {
-    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   } else {
-    cb::state_bwd_kernel<PC><<<gseq, cb::NT, cb::kStateBwdSmem, st>>>(p);
+    cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -279,16 +251,15 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
 // allocates there (a hook), so that the grad stage's peak is the work alone; the staged op allocates every output
 // before the stage and passes no hook. Grad v3 (the default; which kernel reads what: see each kernel's file):
 //   kGradBeforeWy  after the three grad3_vc launches: hs, dhs, U are dead; grad3_wy writes dv and dbeta
-//   kGradBeforeCh  after grad3_wy: u, dU, wc are dead; grad3_ch / ch2 / gdn write dq, dk, dg (and add to dbeta)
-// v1 / v2 (one grad kernel): kGradAll before it (nothing dead, every output needed).
-enum GradPoint { kGradBeforeWy = 0, kGradBeforeCh, kGradAll };
+//   kGradBeforeCh  after grad3_wy: u, dU, wc are dead; grad3_ch2 / grad3_gdn write dq, dk, dg (and add to dbeta)
+enum GradPoint { kGradBeforeWy = 0, kGradBeforeCh };
 using GradHook = std::function<void(GradPoint, chunk_bwd::Params&)>;
 
 // GDN's grad3_gdn writes dg per head, [tokens, HV] (the token's gate gradient summed over channels in the kernel);
-// every other grad kernel per channel, [tokens, HV, K] (the host sums GDN's channels).
+// KDA's grad3_ch2 per channel, [tokens, HV, K].
 template <bool PC>
-bool bwd_dg_per_head(const std::vector<at::Tensor>& work) {
-  return !PC && bwd_cfg(work, kCfgGrad) == 3 && bwd_cfg(work, kCfgCh) != 1;
+bool bwd_dg_per_head(const std::vector<at::Tensor>&) {
+  return !PC;
 }
 
 // Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers, or set by `hook` at its points).
@@ -299,11 +270,7 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
   const int64_t nc_max = bwd_nc_max(work);
   if (nc_max <= 0 || s.HV <= 0) return;
   const dim3 gchunks(static_cast<unsigned>(nc_max), s.HV);
-  const int grad_mode = static_cast<int>(bwd_cfg(work, kCfgGrad));
-  if (grad_mode == 1) {
-    if (hook) hook(kGradAll, p);
-    cb::grad_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
-  } else if (grad_mode == 3) {
+  {
     const int64_t vc_mode = bwd_cfg(work, kCfgVc);
     if ((vc_mode == 2 || vc_mode == 3) && p.in_dtype != kF32 && s.V % 4 == 0) {
       // grad3_vc_tc (tensor cores; 74 / 92 / 55 KB for Z = 0 / 1 / 2: two blocks per SM)
@@ -330,10 +297,10 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (hook) hook(kGradBeforeWy, p);
-    // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0
-    // with the v2 state buffers; KDA_CUDA_CHUNK_BWD_WY=1 runs grad3_wy (kept to compare), =3 grad3_wy2 with plain
-    // tf32 products for bf16 inputs (kept to measure)
-    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0 && p.wc != nullptr) {
+    // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0;
+    // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1; =3 grad3_wy2 with
+    // plain tf32 products for bf16 inputs (kept to measure)
+    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0) {
       auto kern = cb::grad3_wy2<PC>(p.in_dtype, wy != 3);
       allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
       kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
@@ -344,28 +311,18 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     if (hook) hook(kGradBeforeCh, p);
     const int64_t ch_mode = bwd_cfg(work, kCfgCh);
     if constexpr (PC) {
-      // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM) by
-      // default (=3: its 128-register instance); KDA_CUDA_CHUNK_BWD_CH=1 runs grad3_ch_kernel (one 226 KB block
-      // per SM; kept to compare)
-      if (ch_mode == 1) cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
-      else cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
+      // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM), every
+      // dtype and K (KDA_CUDA_CHUNK_BWD_CH=3: its 128-register instance)
+      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
-      // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head) by default;
-      // KDA_CUDA_CHUNK_BWD_CH=1 runs the per-channel grad3_ch (kept to compare)
-      if (ch_mode != 1) {
-        auto kern = cb::grad3_gdn<PC>(p.in_dtype);
-        const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
-        allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
-        kern<<<gchunks, cb::NT, smem, st>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-      cb::grad3_ch_kernel<PC><<<gchunks, cb::NT3, cb::kGradSmem, st>>>(p);
+      // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head), every dtype and K
+      (void)ch_mode;
+      auto kern = cb::grad3_gdn<PC>(p.in_dtype);
+      const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
+      allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
+      kern<<<gchunks, cb::NT, smem, st>>>(p);
     }
-  } else {
-    if (hook) hook(kGradAll, p);
-    cb::grad2_kernel<PC><<<gchunks, cb::NT, cb::kGradSmem, st>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -421,7 +378,7 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
                             const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
   std::vector<at::Tensor> work;
-  chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, false);
+  chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work);
   at::Tensor dht;  // holds a converted copy of grad_final_state alive
   p.dht = grad_state_data(grad_final_state, dht);
   const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work);
@@ -451,12 +408,57 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   return r;
 }
 
+// The GVA reduce of dq, dk in one launch (delta_gva_reduce.cuh; KDA_CUDA_CHUNK_BWD_GVA=1, off by default, read at every
+// call): where HV % H == 0, q and k share a dtype and there is something to do (a sum over value heads or a cast).
+// Returns false (nothing launched) otherwise; the caller then runs the torch path.
+inline bool gva_reduce_cuda(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r,
+                            at::Tensor& dq_out, at::Tensor& dk_out) {
+  if (env_int("KDA_CUDA_CHUNK_BWD_GVA", 0) != 1) return false;
+  if (s.H <= 0 || s.HV % s.H != 0 || q.scalar_type() != k.scalar_type()) return false;
+  if (s.HV == s.H && q.scalar_type() == at::kFloat) return false;  // the torch path is a view
+  TORCH_CHECK(r.dq.is_contiguous() && r.dk.is_contiguous() && r.dq.scalar_type() == at::kFloat &&
+                  r.dk.scalar_type() == at::kFloat && r.dq.numel() == r.dk.numel(),
+              "gva_reduce_cuda: dq, dk must be contiguous fp32 of one size");
+  dq_out = at::empty({s.B, s.T, s.H, s.K}, q.options());
+  dk_out = at::empty({s.B, s.T, s.H, s.K}, k.options());
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
+  if (rows == 0 || s.K == 0) return true;
+  const bool vec = s.K % 4 == 0;  // 16-byte rows (the buffers themselves come from the caching allocator: aligned)
+  const int64_t n = rows * (vec ? s.K / 4 : s.K);
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + kGvaThreads - 1) / kGvaThreads, 65535));
+  const dim3 grid(blocks, 2);
+  auto st = c10::cuda::getCurrentCUDAStream().stream();
+  const float* a = r.dq.data_ptr<float>();
+  const float* b = r.dk.data_ptr<float>();
+  const int G = s.HV / s.H;
+  auto launch = [&](auto* oq, auto* ok) {
+    using TO = std::remove_pointer_t<decltype(oq)>;
+    if (vec) gva_reduce_kernel<TO, true><<<grid, kGvaThreads, 0, st>>>(a, b, oq, ok, rows, s.H, G, s.K);
+    else gva_reduce_kernel<TO, false><<<grid, kGvaThreads, 0, st>>>(a, b, oq, ok, rows, s.H, G, s.K);
+  };
+  switch (q.scalar_type()) {
+    case at::kBFloat16:
+      launch(reinterpret_cast<__nv_bfloat16*>(dq_out.data_ptr()), reinterpret_cast<__nv_bfloat16*>(dk_out.data_ptr()));
+      break;
+    case at::kHalf:
+      launch(reinterpret_cast<__half*>(dq_out.data_ptr()), reinterpret_cast<__half*>(dk_out.data_ptr()));
+      break;
+    default:
+      launch(dq_out.data_ptr<float>(), dk_out.data_ptr<float>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
 // dq, dk to the inputs' heads and dtypes, dg per channel (KDA) or per head (GDN: summed over the channels here
 // unless the grad kernel wrote it per head).
 template <bool PC>
 DeltaBwdResult chunk_bwd_finish(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r) {
-  at::Tensor dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
-  at::Tensor dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  at::Tensor dq_out, dk_out;
+  if (!gva_reduce_cuda(s, q, k, r, dq_out, dk_out)) {
+    dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
+    dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
+  }
   at::Tensor dg_out = PC ? r.dg.view({s.B, s.T, s.HV, s.K})
                          : (r.dg.dim() == 2 ? r.dg.view({s.B, s.T, s.HV}) : r.dg.view({s.B, s.T, s.HV, s.K}).sum(-1));
   return {dq_out, dk_out, r.dv, dg_out.contiguous(), r.dbeta, r.dh0};
@@ -590,8 +592,7 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
 // The backward in stages for context parallelism's relay (docs/context_parallel.md), same kernels and results as
 // chunk_bwd_run: stage 0 prep (returns the work list), 1 state_fwd (reads initial_state; returns []), 2 state_bwd
 // (reads grad_final_state; returns [dh0]), 3 grad (returns [dq, dk, dv, dg, dbeta]). Order: 0, then 1 and 2 in
-// either order, then 3; every stage gets the same inputs. The v2 state kernels always (the stages rely on
-// them); K and V <= 128.
+// either order, then 3; every stage gets the same inputs. K and V <= 128.
 template <bool PC>
 std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, int64_t stage, const at::Tensor& q,
                                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -615,7 +616,7 @@ std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, 
   TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",
               op, "] grad_o must be contiguous, shaped like v, with q's dtype");
   std::vector<at::Tensor> work(work_in.begin(), work_in.end());
-  cb::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work, true);
+  cb::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   switch (stage) {
     case 0:

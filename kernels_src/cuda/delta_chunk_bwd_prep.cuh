@@ -1,24 +1,24 @@
-// Prep of the chunked backward on tensor cores (prep v3, the default for bf16/fp16 inputs; KDA_CUDA_CHUNK_BWD_PREP=2
-// selects the fp32 SIMT prep_kernel<PC, true> of delta_chunk_bwd.cuh, =1 its v1; fp32 inputs always run the SIMT
-// prep, whose fp32 products meet the fp32 tolerance of DESIGN.md section 6). Writes exactly what prep_kernel writes
-// (Params of delta_chunk_bwd.cuh), so the state and grad kernels are unchanged:
+// Prep of the chunked backward on tensor cores, GDN (prep v3, prep3_gdn_kernel: the default for GDN with bf16/fp16
+// inputs, under KDA_CUDA_CHUNK_BWD_PREP=4 / 5 / 3 alike; KDA runs its prep v4, delta_chunk_bwd_prep4.cuh, which
+// reuses prep3_zero_upper / prep3_store_tile / prep3_w_u below; KDA's prep v3 prep3_kda_kernel was retired in
+// session 9, docs/cuda.md; =2 selects the fp32 SIMT prep_kernel of delta_chunk_bwd.cuh, which fp32 inputs always
+// run, its fp32 products meeting the fp32 tolerance of DESIGN.md section 6). Writes exactly what prep_kernel
+// writes (Params of delta_chunk_bwd.cuh), so the state and grad kernels are unchanged:
 //   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
 //   u = (I + Diag(beta) A_kk)^-1 Diag(beta) V, rows < Cc, columns < V;
-//   w = (I + Diag(beta) A_kk)^-1 Diag(beta) (K Gam): wc [CH][KP] padded with zeros (v2 state kernels) or p.w;
-//   v2: qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
-// It follows the forward's preps (kda_chunk_prep.cuh, gdn_chunk_prep.cuh) phase by phase and reuses their pieces:
-// the same exact-gate products (KDA: in-sub-chunk pairs on CUDA cores with the exponent a running sum of the gates,
-// cross-sub-chunk tiles on tensor cores through the per-(token, channel) factors; GDN: bf16/f16 m16n8k16 Q K^T and
-// K K^T with the scalar decay per element), the same blocked inverse T = (I + A_kk Diag(beta))^-1 (diagonal blocks
-// by substitution in fp32, the rest 3xTF32), and (I + Diag(beta) A_kk)^-1 Diag(beta) = Diag(beta) T, so
-// u = Diag(beta) T V and w = Diag(beta) T (K Gam). Differences from the forward: every tf32 product here is 3xTF32
-// (about fp32; the backward's intermediates feed the gradients), and the outputs are row-major fp32.
-// One block of 256 threads per (chunk, value head); shared memory KdaPrepSmem / GdnPrepSmem (104 / 88 KB at
+//   w = (I + Diag(beta) A_kk)^-1 Diag(beta) (K Gam): wc [CH][KP] padded with zeros;
+//   qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
+// It follows the forward's GDN prep (gdn_chunk_prep.cuh) phase by phase and reuses its pieces: bf16/f16 m16n8k16
+// Q K^T and K K^T with the scalar decay per element, the same blocked inverse T = (I + A_kk Diag(beta))^-1
+// (diagonal blocks by substitution in fp32, the rest 3xTF32), and (I + Diag(beta) A_kk)^-1 Diag(beta) =
+// Diag(beta) T, so u = Diag(beta) T V and w = Diag(beta) T (K Gam). Differences from the forward: every tf32
+// product here is 3xTF32 (about fp32; the backward's intermediates feed the gradients), and the outputs are
+// row-major fp32. One block of 256 threads per (chunk, value head); shared memory GdnPrepSmem (88 KB at
 // KP = 128): two blocks per SM (the SIMT prep: 193 KB, one).
 #pragma once
 
 #include "delta_chunk_bwd.cuh"
-#include "kda_chunk_prep.cuh"
+#include "gdn_chunk_prep.cuh"
 
 namespace kda_kernels {
 namespace cuda {
@@ -26,7 +26,6 @@ namespace chunk_bwd {
 
 static_assert(CH == kChunk && NT == kGdnThreads && VP == kGdnVB && KP == 128, "prep v3 uses the forward's tiles");
 
-constexpr size_t kPrep3KdaSmem = KdaPrepSmem<KP>::bytes;
 constexpr size_t kPrep3GdnSmem = GdnPrepSmem<KP>::bytes;
 
 // Zeros above the diagonal blocks of aqk and akk (row block a: columns >= 16 (a + 1)), float4 stores.
@@ -93,13 +92,7 @@ __device__ __forceinline__ void prep3_w_u(const Params& p, const ChunkPos& cp, i
         const float bt = Bs[r];
         const float x0 = bt * acc[a][2 * hr], x1 = bt * acc[a][2 * hr + 1];
         if (isw) {
-          if (p.wc != nullptr) {
-            *reinterpret_cast<float2*>(p.wc + cbase + r * KP + c) = make_float2(x0, x1);  // zeros past Cc, K
-          } else if (r < cp.Cc) {
-            float* d = p.w + ((cp.row0 + r) * p.HV + hv) * p.K;
-            if (c < p.K) d[c] = x0;
-            if (c + 1 < p.K) d[c + 1] = x1;
-          }
+          *reinterpret_cast<float2*>(p.wc + cbase + r * KP + c) = make_float2(x0, x1);  // zeros past Cc, K
         } else if (r < cp.Cc) {
           float* d = p.u + ((cp.row0 + r) * p.HV + hv) * p.V;
           if (c < p.V) d[c] = x0;
@@ -107,247 +100,6 @@ __device__ __forceinline__ void prep3_w_u(const Params& p, const ChunkPos& cp, i
         }
       }
   }
-}
-
-// ------------------------------------------------------------------------------------------------ KDA
-// Phases as kda_chunk_prep_kernel (S0 staging, S1 gate totals per sub-chunk, 4 passes of 32 channels: build of
-// the factor tables (writing Q Gam, K Eend, Gam_last on the way), P2 cross-sub-chunk tiles, P1 in-sub-chunk pairs;
-// results; S2-S4 the inverse; S5 w, u).
-template <typename T16>
-__global__ void __launch_bounds__(NT, 2) prep3_kda_kernel(Params p) {
-  using SM = KdaPrepSmem<KP>;
-  constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
-  constexpr int NP = KP / kKdaPass;
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + SM::r1);
-  float* Ts = reinterpret_cast<float*>(smem + SM::r1);
-  uint16_t* Ks = reinterpret_cast<uint16_t*>(smem + SM::r2);
-  uint16_t* Vs = reinterpret_cast<uint16_t*>(smem + SM::r2);
-  float* Gx = reinterpret_cast<float*>(smem + SM::gx);
-  float* Fs = reinterpret_cast<float*>(smem + SM::fb);  // [48][LDF]: e^{G_t - G_r}, row t - 16 (t >= 16)
-  float* Rf = Fs + 48 * LDF;                            // [48][LDF]: e^{G_s - G_j}, row j (j < 48)
-  float* Scr = reinterpret_cast<float*>(smem + SM::fb);
-  float* Ab = reinterpret_cast<float*>(smem + SM::ab);
-  double* Tot = reinterpret_cast<double*>(smem + SM::tot);
-  float* Ex = reinterpret_cast<float*>(smem + SM::ex);
-  float* Bs = reinterpret_cast<float*>(smem + SM::bs);
-
-  ChunkPos cp;
-  const int hv = blockIdx.y;
-  if (!chunk_pos(p, blockIdx.x, cp)) return;
-  const int cid = blockIdx.x;
-  const int L = cp.Cc;
-  const int64_t tok0 = cp.row0;
-  const int h = hv / (p.HV / p.H);
-  const int K = p.K, V = p.V, HV = p.HV;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gq = lane >> 2, t4 = lane & 3;
-  const size_t cbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
-  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
-  const bool v2 = p.qgc != nullptr;
-  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
-
-  // ---- S0: q, k, gates -> shared memory (cp.async), beta
-  const uint16_t* qsrc = static_cast<const uint16_t*>(p.q) + (tok0 * p.H + h) * K;
-  const uint16_t* ksrc = static_cast<const uint16_t*>(p.k) + (tok0 * p.H + h) * K;
-  const uint16_t* vsrc = static_cast<const uint16_t*>(p.v) + (tok0 * HV + hv) * V;
-  const float* gsrc = p.g + (tok0 * HV + hv) * K;
-  const bool vec_qk = (K % 8) == 0 && ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k)) & 15) == 0;
-  const bool vec_g = (K % 4) == 0 && (reinterpret_cast<uintptr_t>(p.g) & 15) == 0;
-  const bool vec_v = (V % 8) == 0 && (reinterpret_cast<uintptr_t>(p.v) & 15) == 0;
-  gdn_stage<KP>(Qs, LDH, qsrc, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
-  gdn_stage<KP>(Ks, LDH, ksrc, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
-  kda_stage_gates<KP>(Gx, LDG, gsrc, static_cast<int64_t>(HV) * K, L, K, vec_g, tid);
-  if (tid < CH) Bs[tid] = tid < L ? __ldg(p.beta + (tok0 + tid) * HV + hv) : 0.f;
-  gdn_cp_async_wait_all();
-  __syncthreads();
-
-  // ---- S1: gate total of each sub-chunk and channel (double)
-  for (int i = tid; i < 4 * KP; i += NT) {
-    const int c = i % KP, a = i / KP;
-    double s = 0.0;
-#pragma unroll
-    for (int u = 0; u < kSub; ++u) s += static_cast<double>(Gx[(a * kSub + u) * LDG + c]);
-    Tot[a * KP + c] = s;
-  }
-  __syncthreads();
-
-  const int cg = lane & 7, rp = (tid >> 3) & 7, a1 = tid >> 6;
-  const int j0 = a1 * kSub, t1 = j0 + rp, t2 = j0 + kSub - 1 - rp;
-  float q1[8], k1[8], q2[kSub], k2[kSub];
-#pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
-    if (jl < 8) q1[jl] = k1[jl] = 0.f;
-    q2[jl] = k2[jl] = 0.f;
-  }
-  float acc2[3][4];
-#pragma unroll
-  for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
-  const int bcl = tid & 31, ba = (tid >> 5) & 3, bdir = tid >> 7;
-
-#pragma unroll 1
-  for (int pass = 0; pass < NP; ++pass) {
-    const int cp0 = pass * kKdaPass;
-    // ---- build: the factor tables; Q Gam, K Eend, Gam_last (v2) on the way
-    {
-      const int c = cp0 + bcl;
-      double gb = 0.0, ga = 0.0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const double x = Tot[b * KP + c];
-        if (b < ba) gb += x;
-        if (b > ba) ga += x;
-      }
-      if (bdir == 0) {
-        double P = 0.0;
-#pragma unroll 4
-        for (int i = 0; i < kSub; ++i) {
-          const int t = ba * kSub + i;
-          P += static_cast<double>(Gx[t * LDG + c]);
-          if (ba > 0) Fs[(t - kSub) * LDF + bcl] = __expf(static_cast<float>(P));
-          if (v2) p.qgc[cbase + t * KP + c] = f16(Qs[t * LDH + c]) * __expf(static_cast<float>(gb + P));
-        }
-        if (ba == 3 && v2) p.glc[(static_cast<size_t>(cid) * HV + hv) * KP + c] = __expf(static_cast<float>(gb + P));
-      } else {
-        double S = 0.0;
-#pragma unroll 4
-        for (int i = kSub - 1; i >= 0; --i) {
-          const int t = ba * kSub + i;
-          if (ba < 3) Rf[t * LDF + bcl] = __expf(static_cast<float>(S));
-          if (v2) p.kendc[cbase + t * KP + c] = f16(Ks[t * LDH + c]) * __expf(static_cast<float>(ga + S));
-          S += static_cast<double>(Gx[t * LDG + c]);
-        }
-        if (ba == 0) {
-          const double T1 = Tot[KP + c], T2 = Tot[2 * KP + c];
-          Ex[c] = __expf(static_cast<float>(T1));
-          Ex[KP + c] = __expf(static_cast<float>(T2));
-          Ex[2 * KP + c] = __expf(static_cast<float>(T1 + T2));
-        }
-      }
-    }
-    __syncthreads();
-
-    // ---- P2: cross-sub-chunk tiles (3xTF32)
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {
-      int a, mat, nt;
-      cross_tile(warp + 8 * u, a, mat, nt);
-      const int b = nt >> 1;
-      const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
-      const uint16_t* Xs = mat ? Ks : Qs;
-      const int ra = a * kSub + gq, jb = nt * 8 + gq;
-#pragma unroll
-      for (int s = 0; s < kKdaPass / 8; ++s) {
-        const int cl = s * 8 + t4, c = cp0 + cl;
-        const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[(ra - kSub) * LDF + cl],
-                                      f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra - 8) * LDF + cl],
-                                      f16(Xs[ra * LDH + c + 4]) * Fs[(ra - kSub) * LDF + cl + 4],
-                                      f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra - 8) * LDF + cl + 4]);
-        float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
-        if (E != nullptr) {
-          b0 *= E[c];
-          b1 *= E[c + 4];
-        }
-        mma8<true>(acc2[u], af, b0, b1);
-      }
-    }
-
-    // ---- P1: in-sub-chunk pairs, exponent = running float sum of the gates from t down to j + 1
-#pragma unroll 1
-    for (int ci = 0; ci < kKdaPass / 16; ++ci) {
-      const int c = cp0 + 2 * (ci * 8 + cg);
-      const float2 qa = ld_pair16<T16>(Qs + t1 * LDH + c), ka = ld_pair16<T16>(Ks + t1 * LDH + c);
-      const float2 qb = ld_pair16<T16>(Qs + t2 * LDH + c), kb = ld_pair16<T16>(Ks + t2 * LDH + c);
-      float d1x = 0.f, d1y = 0.f, d2x = 0.f, d2y = 0.f;
-#pragma unroll
-      for (int jl = kSub - 1; jl >= 0; --jl) {
-        const int j = j0 + jl;
-        const float2 gj = *reinterpret_cast<const float2*>(Gx + j * LDG + c);
-        const float2 kj = ld_pair16<T16>(Ks + j * LDH + c);
-        if (jl <= kSub - 1 - rp) {
-          const float x0 = kj.x * __expf(d2x), x1 = kj.y * __expf(d2y);
-          q2[jl] = fmaf(qb.y, x1, fmaf(qb.x, x0, q2[jl]));
-          k2[jl] = fmaf(kb.y, x1, fmaf(kb.x, x0, k2[jl]));
-          d2x += gj.x;
-          d2y += gj.y;
-        }
-        if (jl < 8 && jl <= rp) {
-          const float x0 = kj.x * __expf(d1x), x1 = kj.y * __expf(d1y);
-          q1[jl] = fmaf(qa.y, x1, fmaf(qa.x, x0, q1[jl]));
-          k1[jl] = fmaf(ka.y, x1, fmaf(ka.x, x0, k1[jl]));
-          d1x += gj.x;
-          d1y += gj.y;
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  // ---- results: A_qk, A_kk row-major to global (P1: the diagonal blocks incl. their zeros above the diagonal,
-  //      P2: the blocks below, zeros above the diagonal blocks); A_kk Diag(beta) to Ab (strictly lower)
-#pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
-    if (jl < 8) {
-      q1[jl] = warp_sum_below<8>(q1[jl]);
-      k1[jl] = warp_sum_below<8>(k1[jl]);
-    }
-    q2[jl] = warp_sum_below<8>(q2[jl]);
-    k2[jl] = warp_sum_below<8>(k2[jl]);
-  }
-#pragma unroll
-  for (int jl = 0; jl < kSub; ++jl) {
-    if ((jl & 7) != cg) continue;
-    const int j = j0 + jl;
-    const float bj = Bs[j];
-    const float vq1 = (jl < 8 && jl <= rp) ? q1[jl & 7] : 0.f, vk1 = (jl < 8 && jl < rp) ? k1[jl & 7] : 0.f;
-    const float vq2 = jl <= kSub - 1 - rp ? q2[jl] : 0.f, vk2 = jl < kSub - 1 - rp ? k2[jl] : 0.f;
-    p.aqk[abase + t1 * CH + j] = vq1;
-    p.aqk[abase + t2 * CH + j] = vq2;
-    p.akk[abase + t1 * CH + j] = vk1;
-    p.akk[abase + t2 * CH + j] = vk2;
-    Ab[t1 * LDA + j] = vk1 * bj;
-    Ab[t2 * LDA + j] = vk2 * bj;
-  }
-#pragma unroll
-  for (int u = 0; u < 3; ++u) {
-    int a, mat, nt;
-    cross_tile(warp + 8 * u, a, mat, nt);
-    const int r0 = a * kSub, c0 = nt * 8;
-    prep3_store_tile((mat ? p.akk : p.aqk) + abase + r0 * CH + c0, CH, acc2[u], 1.f, 1.f, gq, t4);
-    if (mat) prep3_store_tile(Ab + r0 * LDA + c0, LDA, acc2[u], Bs[c0 + 2 * t4], Bs[c0 + 2 * t4 + 1], gq, t4);
-  }
-  prep3_zero_upper(p, abase, tid);
-  __syncthreads();
-
-  // ---- S2: warps 0-3: diagonal blocks of T; warps 4-7: X = K Gam in place of the gates
-  prep_inverse_diag(Ab, Ts, warp, lane);
-  if (warp >= 4) {
-    for (int i = tid - 128; i < 4 * KP; i += 128) {
-      const int c = i % KP, a = i / KP;
-      double G = 0.0;
-      for (int b = 0; b < a; ++b) G += Tot[b * KP + c];
-#pragma unroll 4
-      for (int u = 0; u < kSub; ++u) {
-        const int t = a * kSub + u;
-        G += static_cast<double>(Gx[t * LDG + c]);
-        Gx[t * LDG + c] = f16(Ks[t * LDH + c]) * __expf(static_cast<float>(G));
-      }
-    }
-  }
-  __syncthreads();
-
-  // ---- S3: v into k's tile (cp.async, lands during S3/S4); T_10, T_32
-  gdn_stage<kGdnVB>(Vs, kPrepLDV, vsrc, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
-  prep_inverse_sub1(Ab, Ts, Scr, warp, gq, t4);
-  __syncthreads();
-
-  // ---- S4: the lower-left 32x32 of T
-  prep_inverse_sub2(Ab, Ts, Scr, warp, gq, t4);
-  gdn_cp_async_wait_all();
-  __syncthreads();
-
-  // ---- S5: w = Diag(beta) T X, u = Diag(beta) T V
-  prep3_w_u<T16>(p, cp, hv, cbase, Ts, Vs, kPrepLDV, Bs, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
 }
 
 // ------------------------------------------------------------------------------------------------ GDN
@@ -498,17 +250,6 @@ __global__ void __launch_bounds__(NT, 2) prep3_gdn_kernel(Params p) {
   // ---- S5: w = Diag(beta) T (K Gam), u = Diag(beta) T V
   prep3_w_u<T16>(p, cp, hv, cbase, Ts, Vs, LDV, Bs, tid,
                  [&](int t, int c) { return f16(Ks[t * LDH + c]) * Ea[t]; });
-}
-
-// The family's prep v3 kernel (only that one is instantiated in the family's translation unit) and its shared memory.
-template <bool PC, typename T16>
-inline auto prep3_kernel() {
-  if constexpr (PC) return prep3_kda_kernel<T16>;
-  else return prep3_gdn_kernel<T16>;
-}
-template <bool PC>
-constexpr size_t prep3_smem() {
-  return PC ? kPrep3KdaSmem : kPrep3GdnSmem;
 }
 
 }  // namespace chunk_bwd

@@ -1,13 +1,13 @@
-// KDA prep v4 of the chunked backward (per-channel gate), bf16/fp16 inputs, opt-in: KDA_CUDA_CHUNK_BWD_PREP=4 (with
-// the 8x8 split of the diagonal blocks) or =5 (without); the default stays prep3_kda_kernel (=3,
-// delta_chunk_bwd_prep.cuh). GDN has no v4: 4 and 5 run its prep v3. Writes exactly what prep3_kda_kernel writes
-// (Params of delta_chunk_bwd.cuh; same buffers, layouts, padding), so the state and grad kernels are unchanged:
+// KDA prep v4 of the chunked backward (per-channel gate), bf16/fp16 inputs: the default (KDA_CUDA_CHUNK_BWD_PREP=4,
+// with the 8x8 split of the diagonal blocks; =5 without) since session 8. GDN has no v4: it runs its prep v3
+// (delta_chunk_bwd_prep.cuh). Writes exactly what the SIMT prep_kernel writes (Params of delta_chunk_bwd.cuh; same
+// buffers, layouts, padding), so the state and grad kernels are unchanged:
 //   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
-//   u = Diag(beta) T V, w = Diag(beta) T (K Gam) (wc padded, or p.w), T = (I + A_kk Diag(beta))^-1;
+//   u = Diag(beta) T V, w = Diag(beta) T (K Gam) (wc padded), T = (I + A_kk Diag(beta))^-1;
 //   v2: qgc = Q Gam, kendc = K Eend [CH][KP] (zeros past Cc, K), glc = Gam_last [KP] (1 past K).
 //
-// prep3 follows the forward's v1 prep (kda_chunk_prep.cuh); v4 follows its v2 (kda_chunk_prep2.cuh, 0.82 -> 0.57 ms
-// in the forward, session 7) with the backward's outputs:
+// The KDA prep v3 (prep3_kda_kernel, retired in session 9) followed the forward's v1 prep (retired too); v4 follows
+// its v2 (kda_chunk_prep2.cuh, 0.82 -> 0.57 ms in the forward, session 7) with the backward's outputs:
 //   S1  a = e^g in place of the gates (one exponential per token and channel; prep3 took one per token, channel
 //       and pair in P1 and two per token in the build) and S_b = sub-chunk b's gate sum (float tree sum; prep3:
 //       double sums).

@@ -2,9 +2,11 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=0: the generic one),
-// as does KDA (KDA_CUDA_KDA_PREP: 3, the default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms;
-// 2 it without the split, 0.61 ms; 1 the v1 kernel kda_chunk_prep.cuh, 0.82 ms; 0 the generic one). Both variables are read at every call.
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh), as does KDA (KDA_CUDA_KDA_PREP: 3, the
+// default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it without the split, 0.61 ms).
+// Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
+// KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
+// Both variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
@@ -23,7 +25,6 @@
 #include "delta_chunk_scan4.cuh"
 #include "delta_chunk_scan5.cuh"
 #include "gdn_chunk_prep.cuh"
-#include "kda_chunk_prep.cuh"
 #include "kda_chunk_prep2.cuh"
 #include "delta_host.cuh"
 
@@ -33,10 +34,13 @@ namespace cuda {
 // (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
 inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
 
-template <bool PC, int KP, bool PRECISE>
+// fp32 inputs: the generic delta_chunk_prep_kernel with 3xTF32 products (its instance for bf16/fp16 inputs,
+// PRECISE = false, KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0, was retired in session 9: the families' own preps
+// replace it for 16-bit inputs).
+template <bool PC, int KP>
 void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = PrepSmem<KP>::bytes;
-  auto kern = delta_chunk_prep_kernel<PC, KP, PRECISE>;
+  auto kern = delta_chunk_prep_kernel<PC, KP, true>;
   allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kPrepThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -58,18 +62,9 @@ void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   else launch_gdn_prep_t<KP, __half>(p, max_chunks, st);
 }
 
-// KDA, bf16/fp16 inputs: kda_chunk_prep_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>).
-template <int KP, typename T16>
-void launch_kda_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  constexpr size_t smem = KdaPrepSmem<KP>::bytes;
-  auto kern = kda_chunk_prep_kernel<KP, T16>;
-  allow_dynamic_smem(kern, smem);
-  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// KDA, bf16/fp16 inputs, v2: kda_chunk_prep2_kernel (the same workspace; gate factors as products of e^{g_i}
-// within a sub-chunk); SPLIT8 (version 3, opt-in): its 8x8 split of the diagonal blocks.
+// KDA, bf16/fp16 inputs: kda_chunk_prep2_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>; gate
+// factors as products of e^{g_i} within a sub-chunk); SPLIT8 (version 3, the default): its 8x8 split of the
+// diagonal blocks.
 template <int KP, typename T16, bool SPLIT8>
 void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = KdaPrep2Smem<KP>::bytes;
@@ -79,18 +74,16 @@ void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// version 2: kda_chunk_prep2_kernel, 3: it with SPLIT8, else (1) kda_chunk_prep_kernel.
+// version 2: kda_chunk_prep2_kernel, else (3, the default) it with SPLIT8 (1, the v1 kernel kda_chunk_prep_kernel:
+// retired in session 9, refused by chunk_prep_dispatch).
 template <int KP>
 void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
   if (version == 2) {
     if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
     else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
-  } else if (version == 3) {
+  } else {
     if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
     else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
-  } else {
-    if (p.in_dtype == kBF16) launch_kda_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
-    else launch_kda_prep_t<KP, __half>(p, max_chunks, st);
   }
 }
 
@@ -146,14 +139,11 @@ template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
-    if (env_int("KDA_CUDA_GDN_PREP", 1) != 0) launch_gdn_prep<KP>(p, max_chunks, st);
-    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_gdn_prep<KP>(p, max_chunks, st);
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    const int version = env_int("KDA_CUDA_KDA_PREP", 3);
-    if (version != 0) launch_kda_prep<KP>(p, max_chunks, st, version);
-    else launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_kda_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_KDA_PREP", 3));
   } else {
-    launch_chunk_prep<PC, KP, PRECISE>(p, max_chunks, st);
+    launch_chunk_prep<PC, KP>(p, max_chunks, st);
   }
 }
 
@@ -203,6 +193,12 @@ inline bool chunk_split_applies(const ChunkFwdParams& p) {
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
 template <bool PC>
 void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if constexpr (PC) {
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 1, "the v1 KDA prep kda_chunk_prep_kernel");
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+  } else {
+    refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+  }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
     if (precise) run_chunk_prep<PC, 64, true>(p, max_chunks, st);
@@ -334,10 +330,7 @@ inline const float* chunk_fwd_h0(const char* op, const std::optional<at::Tensor>
 template <bool PC>
 size_t chunk_fwd_prep_smem(int K, bool precise) {
   if (precise) return K <= 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes;
-  if constexpr (PC) {  // the larger of the two KDA kernels (KDA_CUDA_KDA_PREP picks one at every call)
-    return K <= 64 ? cmax(KdaPrepSmem<64>::bytes, KdaPrep2Smem<64>::bytes)
-                   : cmax(KdaPrepSmem<128>::bytes, KdaPrep2Smem<128>::bytes);
-  }
+  if constexpr (PC) return K <= 64 ? KdaPrep2Smem<64>::bytes : KdaPrep2Smem<128>::bytes;
   else return K <= 64 ? GdnPrepSmem<64>::bytes : GdnPrepSmem<128>::bytes;
 }
 

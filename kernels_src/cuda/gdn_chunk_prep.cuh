@@ -1,7 +1,8 @@
 // GDN-specific prep kernel of the chunked forward (scalar gate per token and value head), bf16/fp16 inputs.
 // Writes exactly the workspace delta_chunk_prep_kernel<PC=false> writes (WsLayout: w, q~, k~^T, A~, decay, u0;
 // same sections, fragment order and bf16/fp32 choice), so delta_chunk_scan_kernel is unchanged. fp32 inputs keep
-// the generic prep kernel (3xTF32 everywhere). KDA_CUDA_GDN_PREP=0 selects the generic kernel for GDN too.
+// the generic prep kernel (3xTF32 everywhere). (KDA_CUDA_GDN_PREP=0, the generic kernel for 16-bit GDN inputs,
+// was retired in session 9.)
 //
 // With a scalar gate the decay of a pair (t, j), j <= t, is the scalar e^{G_t - G_j} (G the chunk prefix of the
 // gate, a double prefix sum kept as hi + lo floats, so the exponent is a direct sum of the gates in between and
@@ -62,6 +63,17 @@ __device__ __forceinline__ void gdn_cp_async16(void* smem, const void* gmem, boo
                : "memory");
 }
 __device__ __forceinline__ void gdn_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Two adjacent 16-bit values (4-byte aligned) as floats.
+template <typename T16>
+__device__ __forceinline__ float2 ld_pair16(const uint16_t* p) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+  if constexpr (std::is_same<T16, __nv_bfloat16>::value) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+}
 
 // c += a * b on one 16x8x16 tile, 16-bit inputs (bf16 or f16), fp32 accumulation.
 template <typename T16>

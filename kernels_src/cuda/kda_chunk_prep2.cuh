@@ -1,11 +1,13 @@
 // KDA prep kernel v2 of the chunked forward (per-channel gate), bf16/fp16 inputs: the default for KDA since
-// session 7 (KDA_CUDA_KDA_PREP=2; =1 the v1 kernel kda_chunk_prep.cuh, =0 the generic delta_chunk_prep_kernel).
-// Writes exactly the workspace the v1 kernel writes (WsLayout: w, q~, k~^T, A~, decay, u0; same sections, fragment
-// order and bf16/fp32 choice), so the scans are unchanged.
+// session 7 (KDA_CUDA_KDA_PREP=3, with SPLIT8 below, since session 8; =2 without). The v1 kernel (=1,
+// kda_chunk_prep.cuh, 0.82 ms vs 0.57) and the generic delta_chunk_prep_kernel for 16-bit inputs (=0) were
+// retired in session 9. Writes the workspace the scans read (WsLayout: w, q~, k~^T, A~, decay, u0; the sections,
+// fragment order and bf16/fp32 choice of the generic kernel), so the scans are unchanged.
 //
-// Same phases and thread mappings as v1 (S0, S1, four passes of 32 channels with build / P2 / P1, results,
-// S2..S5; see kda_chunk_prep.cuh). Within a 16-token sub-chunk every decay factor is a PRODUCT of a_i = e^{g_i};
-// factors across sub-chunks are exponentials of float sums of whole sub-chunks' gates (no double arithmetic):
+// Phases and thread mappings as v1 had them (S0, S1, four passes of 32 channels with build / P2 / P1, results,
+// S2..S5; docs/cuda.md, "KDA prep kernel (session 4)"). Within a 16-token sub-chunk every decay factor is a
+// PRODUCT of a_i = e^{g_i}; factors across sub-chunks are exponentials of float sums of whole sub-chunks' gates (no
+// double arithmetic):
 //   S1  a = e^g in place of the gates (one exponential per token and channel; v1 took one per pair and channel
 //       in P1 and several per token in the build) and S_b = the sum of sub-chunk b's gates (float tree sum).
 //   build  F_t = prod_{16a <= i <= t} a_i = e^{G_t - G_r} and R_t = prod_{t < i <= 16a + 15} a_i = e^{G_s - G_t}
@@ -25,7 +27,7 @@
 // gates near 0, where the state's memory spans hundreds of chunks).
 // Shared memory ~111 KB at K = 128 (two blocks per SM), 256 threads.
 //
-// SPLIT8 (KDA_CUDA_KDA_PREP=3, opt-in): each 16x16 diagonal block in 8x8 quarters. The lower-left quarter (t in
+// SPLIT8 (KDA_CUDA_KDA_PREP=3, the default): each 16x16 diagonal block in 8x8 quarters. The lower-left quarter (t in
 // 16a+8..15, j in 16a..16a+7) on tensor cores through the token m = 16a + 7, (x_t e^{G_t - G_m}) . (k_j
 // e^{G_m - G_j}), both factors running products within the half (a third 64-row table, in the A_kk region during
 // the passes), one 16x8 tile per sub-chunk with the q rows on top and the k rows below (warps 0-3); P1 on CUDA
@@ -34,10 +36,44 @@
 // written as zeros.
 #pragma once
 
-#include "kda_chunk_prep.cuh"
+#include "gdn_chunk_prep.cuh"
 
 namespace kda_kernels {
 namespace cuda {
+
+// (the helpers below came from the v1 kernel's file, kda_chunk_prep.cuh, retired in session 9; the backward's
+// prep v4, delta_chunk_bwd_prep4.cuh, uses them too)
+constexpr int kKdaPass = 32;  // channels per pass
+
+// Rows [0, 64) x columns [0, KP) of the fp32 gates into shared memory (row stride ld), zero outside rows < L and
+// columns < ncol. vec: 16-byte cp.async (src 16-byte aligned, rs and ncol multiples of 4).
+template <int KP>
+__device__ __forceinline__ void kda_stage_gates(float* dst, int ld, const float* src, int64_t rs, int L, int ncol,
+                                                bool vec, int tid) {
+  if (vec) {
+    constexpr int CPR = KP / 4;
+#pragma unroll 4
+    for (int i = tid; i < kChunk * CPR; i += kGdnThreads) {
+      const int t = i / CPR, c = (i % CPR) * 4;
+      const bool ok = t < L && c < ncol;
+      gdn_cp_async16(dst + t * ld + c, ok ? src + t * rs + c : src, ok);
+    }
+  } else {
+    for (int i = tid; i < kChunk * KP; i += kGdnThreads) {
+      const int t = i / KP, c = i % KP;
+      dst[t * ld + c] = (t < L && c < ncol) ? __ldg(src + t * rs + c) : 0.f;
+    }
+  }
+}
+
+// Cross-sub-chunk tile number (0..23) -> row block a (1..3), matrix (0: q, 1: k), 8-column tile nt (< 2a).
+__device__ __forceinline__ void cross_tile(int tile, int& a, int& mat, int& nt) {
+  a = tile < 4 ? 1 : (tile < 12 ? 2 : 3);
+  const int local = tile - (a == 1 ? 0 : (a == 2 ? 4 : 12));
+  mat = local / (2 * a);
+  nt = local - mat * 2 * a;
+}
+
 
 template <int KP>
 struct KdaPrep2Smem {

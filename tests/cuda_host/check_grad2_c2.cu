@@ -1,7 +1,8 @@
-// Host-side check of the grad2 helpers of kernels_src/cuda/delta_chunk_bwd.cuh (c2_intra, c2_rows, c2_cols:
-// the intra-chunk A_qk / A_kk terms in sub-blocks; back_subst_col), run thread by thread on the CPU against the
-// direct float64 definition (per pair (t, j): the decay product E[t, j] formed explicitly; dg_i summed over
-// j < i <= t). Gates: mild, strong, logsigmoid, 30 % at -20 and at -1e4. Built and run by
+// Host-side check of the C2 helpers of kernels_src/cuda/delta_chunk_bwd.cuh (c2_intra: the intra-chunk A_qk / A_kk
+// terms of the pairs inside each 16-row sub-block, called by grad3_ch2; back_subst_col, grad3_wy's back
+// substitution; c2_rows / c2_cols went with grad2 and grad3_ch in session 9), run thread by thread on the CPU
+// against the direct float64 definition (per pair (t, j) in one sub-block: the decay product E[t, j] formed
+// explicitly; dg_i summed over j < i <= t). Gates: mild, strong, logsigmoid, 30 % at -20 and at -1e4. Built and run by
 // tests/test_cuda_chunk_bwd_host.py with nvcc (no GPU needed). Exit 0: within tolerance and finite.
 #include <cstdio>
 #include <cmath>
@@ -30,14 +31,13 @@ int main() {
     C2Smem m{qs, ks, as, xq, xk, dq, dk, dg};
     for (int c = 0; c < KP; ++c) {
       for (int b = 0; b < 4; ++b) c2_intra(m, b, c);
-      c2_rows(m, c);
-      c2_cols(m, c);
     }
     double err = 0, nrm = 0;
     for (int c = 0; c < KP; ++c) {
       std::vector<double> rq(CH, 0), rk(CH, 0), rg(CH, 0);
       for (int t = 0; t < CH; ++t)
         for (int j = 0; j < t; ++j) {
+          if (j / SB != t / SB) continue;  // c2_intra: the pairs inside a sub-block (grad3_ch2 does the rest)
           double E = 1;
           for (int i = j + 1; i <= t; ++i) E *= as[i * W + c];
           const double x1 = xq[t * CH + j], x2 = xk[t * CH + j];
