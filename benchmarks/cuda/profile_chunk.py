@@ -72,7 +72,7 @@ KNOB_SWEEPS = [
      "2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance (1, grad3_ch_kernel: "
      "retired in session 9, refused)"),
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
-     "1 the SIMT grad3_wy (the default where V % 4 != 0), 2 grad3_wy2 on tensor cores, the default, 3 it with plain "
+     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default, 3 it with plain "
      "tf32 for bf16 inputs"),
     ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
      "0 the GVA reduce of dq, dk in torch, the default, 1 gva_reduce_kernel (one launch for both)"),
