@@ -170,7 +170,8 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
 
 
 # knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
-RETIRED_BWD = ["STATE=1", "GRAD=1", "GRAD=2", "CH=1", "PREP=1", "PREP=3"]
+RETIRED_BWD = ["STATE=1", "GRAD=1", "GRAD=2", "CH=1", "PREP=1", "PREP=3", "STATE_FWD=5", "STATE_BWD=5",
+               "STATE_BWD=6"]
 
 
 @pytest.mark.parametrize("knob", RETIRED_BWD)
@@ -426,8 +427,8 @@ def _ulps(x, y, dtype):
 @pytest.mark.parametrize("case", ["random_T65", "gva_4x", "odd_dims", "varlen_empty", "v256_blocks"] + list(GVA_CASES))
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
-    # the GVA reduce of dq, dk in one CUDA launch (delta_gva_reduce.cuh, KDA_CUDA_CHUNK_BWD_GVA=1) against the torch
-    # path (sum_gva(...).to(dtype), the default), same kernels before it: dq, dk sum the same fp32 terms in the same
+    # the GVA reduce of dq, dk in one CUDA launch (delta_gva_reduce.cuh, KDA_CUDA_CHUNK_BWD_GVA=1, the default since
+    # session 9) against the torch path (sum_gva(...).to(dtype), GVA=0), same kernels before it: dq, dk sum the same fp32 terms in the same
     # order for G = HV / H <= 2 and round to nearest even, so bit-identical there; for G > 2 torch's reduction order
     # may differ from the kernel's j = 0, 1, ...: at most 1 ulp of a bf16 / fp16 output (the fp32 sums differ far
     # below it), fp32 outputs to 1e-6 relative RMS (with cancellation a reordered fp32 sum can be many ulps of the
@@ -435,6 +436,7 @@ def test_gva_reduce_kernel_matches_torch(family, case, dtype, monkeypatch):
     if dtype == "fp16" and case not in ("gva_4x", "gva_g3_k30"):
         pytest.skip("fp16 differs from bf16 only in the store conversion; a subset suffices")
     dt = DTYPES[dtype]
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_GVA", "0")  # the first call: the torch path
     a, b = bwd_default_and_knob(family, case, dt, 37, "GVA=1", monkeypatch)
     spec = dict(CASES[case]) if case in CASES else dict(GVA_CASES[case])
     G = spec["HV"] // spec["H"]

@@ -11,15 +11,15 @@ bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; test_gdn_prep_ref
 bf16/fp16 inputs (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
 test_kda_prep2_split8_vs_plain_and_reference). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
 (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were retired in session 9 (test_retired_fwd_knob_values_are_refused).
-The scan is the bulk-prefetch kernel
-delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4) by default where the workspace is bf16, V <= 256 and its
-blocks fit on the SMs at once (every bf16/fp16 test above runs it; larger calls, fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel
-delta_chunk_scan_kernel); test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of
-pre-Hopper GPUs) against the float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks),
-test_chunk_scan3_vs_single (against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan.
-The opt-in scans: the split forward (KDA_CUDA_CHUNK_SCAN=5 / 6: test_chunk_fwd_split*, test_chunk_split_vs_scan3) and
-the warp-specialized scan5 (=7: test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*, and the graph / empty-sequence
-test of the split forward).
+The scan is the warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default since session 9)
+where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
+KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel); test_chunk_fwd_scan5 and
+test_chunk_scan5_vs_scan3* check it against the float64 reference and the bulk-prefetch scan.
+test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the
+float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks), test_chunk_scan3_vs_single
+(against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan (=4, the default until session
+9). The opt-in split forward (KDA_CUDA_CHUNK_SCAN=5 / 6): test_chunk_fwd_split*, test_chunk_split_vs_scan3 and the
+graph / empty-sequence test.
 """
 import importlib.util
 import subprocess

@@ -13,9 +13,7 @@
 #include "delta_chunk_bwd_prep.cuh"
 #include "delta_chunk_bwd_prep4.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
-#include "delta_chunk_bwd_state_fwd4.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
-#include "delta_chunk_bwd_state_bwd4.cuh"
 #include "delta_chunk_bwd_grad3_wy2.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
@@ -95,9 +93,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
-    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
-    // 5 = state_fwd4 (session 9, off by default; sm_90+, else mode 4): state_fwd3's tf32 results bit for bit, its
-    // operands by cp.async.bulk + mbarriers and ldmatrix (delta_chunk_bwd_state_fwd4.cuh)
+    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs).
+    // (Session 9 tried bulk-copy versions of both state scans, state_fwd4 / state_bwd4: slower -- 0.86 / 1.66 ms
+    // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
@@ -105,8 +104,8 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
     // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
     // fp32 inputs)
-    // 5 / 6 = state_bwd4 with tf32 / 3xTF32 products (session 9, off by default; sm_90+, else 4 / 3): state_bwd3's
-    // results bit for bit, its operands by cp.async.bulk + mbarriers and ldmatrix (delta_chunk_bwd_state_bwd4.cuh)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
@@ -203,13 +202,7 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
-  if (mode == 5 && p.in_dtype != kF32 && cc_major() >= 9) {
-    // state_fwd4 (delta_chunk_bwd_state_fwd4.cuh): bulk copies, sm_90+; state_fwd3's shared memory + 32 bytes
-    static_assert(cb::kStateFwd4Smem <= cb::kGradSmem, "state_fwd4 needs more shared memory than kGradSmem");
-    auto kern = cb::state_fwd4_kernel<PC>;
-    allow_dynamic_smem(kern, cb::kStateFwd4Smem);
-    kern<<<gseq, cb::kSf4Threads, cb::kStateFwd4Smem, st>>>(p);
-  } else if ((mode == 3 || mode == 4 || mode == 5) && p.in_dtype != kF32) {
+  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
     // (within kGradSmem, which every chunked backward checks the device for before its first stage)
     auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
@@ -231,14 +224,8 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
   // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
   // kGradSmem, which every chunked backward checks the device for before its first stage)
-  if ((mode == 5 || mode == 6) && p.in_dtype != kF32 && cc_major() >= 9) {
-    // state_bwd4 (delta_chunk_bwd_state_bwd4.cuh): bulk copies, sm_90+; state_bwd3's shared memory + 24 bytes
-    static_assert(cb::kStateBwd4Smem <= cb::kGradSmem, "state_bwd4 needs more shared memory than kGradSmem");
-    auto kern = mode == 6 ? cb::state_bwd4_kernel<PC, true> : cb::state_bwd4_kernel<PC, false>;
-    allow_dynamic_smem(kern, cb::kStateBwd4Smem);
-    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd4Smem, st>>>(p);
-  } else if ((mode >= 3 && mode <= 6) && p.in_dtype != kF32) {
-    auto kern = (mode == 3 || mode == 6) ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
+  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
+    auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
   } else {
@@ -408,12 +395,13 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   return r;
 }
 
-// The GVA reduce of dq, dk in one launch (delta_gva_reduce.cuh; KDA_CUDA_CHUNK_BWD_GVA=1, off by default, read at every
-// call): where HV % H == 0, q and k share a dtype and there is something to do (a sum over value heads or a cast).
+// The GVA reduce of dq, dk in one launch (delta_gva_reduce.cuh; the default since session 9: 0.079 ms against the
+// torch path's 0.20 (sum + cast) at B1 T8192 H16 HV32 K=128 on the H200; KDA_CUDA_CHUNK_BWD_GVA=0 runs the torch
+// path; read at every call): where HV % H == 0, q and k share a dtype and there is something to do (a sum over value heads or a cast).
 // Returns false (nothing launched) otherwise; the caller then runs the torch path.
 inline bool gva_reduce_cuda(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r,
                             at::Tensor& dq_out, at::Tensor& dk_out) {
-  if (env_int("KDA_CUDA_CHUNK_BWD_GVA", 0) != 1) return false;
+  if (env_int("KDA_CUDA_CHUNK_BWD_GVA", 1) != 1) return false;
   if (s.H <= 0 || s.HV % s.H != 0 || q.scalar_type() != k.scalar_type()) return false;
   if (s.HV == s.H && q.scalar_type() == at::kFloat) return false;  // the torch path is a view
   TORCH_CHECK(r.dq.is_contiguous() && r.dk.is_contiguous() && r.dq.scalar_type() == at::kFloat &&

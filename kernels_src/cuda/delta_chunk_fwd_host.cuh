@@ -10,12 +10,16 @@
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
-// unset: 4 when its (sequence, head, 32 columns) blocks fit on the SMs at once, else 1 (see chunk_fwd_params below).
+// unset (0): 7 (session 9; before: 4 when its blocks fit on the SMs at once, else 1 -- see chunk_fwd_params below).
 // 5 / 6 (opt-in): the split forward where scan3 applies -- the state-only scan delta_chunk_scan4_kernel storing each
 // chunk's start state h_c and U = u0 - w h (5: fp32, 6: bf16) in a per-call buffer, then delta_chunk_out_kernel
 // computing every chunk's o = q~ h_c + A~ U_c in parallel (chunk_scan_run); elsewhere as 4.
-// 7 (opt-in): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8 recurrence warps as scan4,
-// 8 output warps computing each chunk's o from shared h_c / U_c buffers); elsewhere as 4.
+// 7 (the default since session 9): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8
+// recurrence warps as scan4, 8 output warps computing each chunk's o from shared h_c / U_c buffers); elsewhere as 4
+// (so the single kernel for fp32 inputs / workspaces). Measured on the H200 (session 9 candidate call, graphs):
+// scan 0.35 vs scan3's 0.48 ms at B1 T8192 H16 HV32; the forward KDA / GDN 0.91 / 0.66 vs 1.04 / 0.77 ms (B1
+// T8192), 3.57 / 2.72 vs 4.08 / 3.11 (B1 T32768), 1.87 / 1.42 vs the single kernel's 1.94 / 1.49 (B4 T4096 H=HV=32,
+// 512 blocks), 4.18 / 3.24 vs 4.70 / 3.68 (varlen mix).
 #pragma once
 
 #include <vector>
@@ -268,10 +272,10 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   if (fresh) {
     // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
     const int64_t ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
-    // Unset: the bulk-prefetch scan (4) when its blocks, one per SM, fit in one wave; else the single kernel, two
-    // blocks per SM (measured at B4 T4096 H=HV=32, 512 blocks: 2.43 ms single vs 2.52 ms bulk for the KDA forward).
+    // Unset: the warp-specialized scan (7) at every size (session 9: faster than both the bulk-prefetch scan and
+    // the single kernel at 128 to 2048 blocks; see the top of this file).
     int64_t scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
-    if (scan_mode == 0) scan_mode = scan_blocks32(s.N, s.HV, s.V) <= num_sms() ? 4 : 1;
+    if (scan_mode == 0) scan_mode = 7;
     const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N
                                       : static_cast<int64_t>(s.B) * ((s.T + kChunk - 1) / kChunk);
     TORCH_CHECK(mc < (1LL << 31), "[", op, "] too many chunks");
