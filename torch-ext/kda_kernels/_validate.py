@@ -1,7 +1,8 @@
 """Argument checks for the public API. Every error names the argument and what was expected.
 
 Checks on tensor values (cu_seqlens contents, index ranges) read the tensor on the host; they run in eager mode
-and are skipped while torch.compile traces, where they would break the graph.
+and are skipped while torch.compile traces, where they would break the graph (cu_seqlens also while a CUDA graph
+is being captured, where a device-to-host copy is an error).
 """
 import math
 
@@ -26,6 +27,11 @@ def tensor(name, x, op):
 
 def _tracing():
     return torch.compiler.is_compiling()
+
+
+def _capturing(t):
+    """A CUDA graph is being captured on the current stream (t on a GPU): reading t on the host would be an error."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def check_core(op, q, k, v, g, beta, scale, per_channel):
@@ -104,7 +110,7 @@ def check_cu_seqlens(op, cu_seqlens, B, T, device):
         raise ValueError(f"[{op}] with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
     if cu_seqlens.device != device:
         raise ValueError(f"[{op}] cu_seqlens must be on q's device {device}, got {cu_seqlens.device}")
-    if not _tracing():
+    if not _tracing() and not _capturing(cu_seqlens):
         cu = cu_seqlens.tolist()
         if cu[0] != 0:
             raise ValueError(f"[{op}] cu_seqlens must start at 0, got {cu[0]}")

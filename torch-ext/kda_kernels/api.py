@@ -231,8 +231,8 @@ def _check_serving(op, state_pool, ssm_state_indices, num_accepted_tokens, inpla
         if num_accepted_tokens.device != device:
             raise ValueError(f"[{op}] num_accepted_tokens must be on q's device {device}, got "
                              f"{num_accepted_tokens.device}")
-    if not _validate._tracing():
-        # one host read of the indices serves the range, num_accepted_tokens and duplicate-write checks
+    if not _validate._tracing() and not _validate._capturing(idx):
+        # one host read of the indices (skipped under torch.compile and while a CUDA graph is captured) serves the range, num_accepted_tokens and duplicate-write checks
         P = state_pool.shape[0]
         rows = idx.tolist()
         if idx.dim() == 2:  # per-token indices [N, T] (speculative decoding)
@@ -326,8 +326,9 @@ def _serve_fast(family, q, k, v, g, beta, scale, pool, idx, output_final_state, 
             return None
     if idx.dim() != 1:  # [N, T] per-token rows: the full path checks every row
         return None
-    if B > 1 or not native:
-        # the index values (one host read): rows < P, no pool row written twice (negative rows are padding)
+    if (B > 1 or not native) and not _validate._capturing(idx):
+        # the index values (one host read; not while a CUDA graph is captured): rows < P, no pool row written twice
+        # (negative rows are padding)
         rows = idx.tolist()
         if max(rows) >= pool.shape[0]:
             return None
