@@ -6,6 +6,7 @@ every op listed in kernels_src/cuda/backend_ops.h at DESIGN.md section 6 toleran
 inputs, and that none of them fell back to the pure-PyTorch implementation.
 """
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -306,53 +307,58 @@ def test_public_api_autograd_and_decode(family):
     assert torch.all(o[2] == 0) and torch.isfinite(o.float()).all()
 
 
+@pytest.mark.parametrize("part", ["chunk_varlen", "serve"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_public_api_captures_in_cuda_graphs(family):
-    # the public calls that take cu_seqlens / ssm_state_indices read them on the host for their value checks; under
+def test_public_api_captures_in_cuda_graphs(family, part):
+    # The public calls that take cu_seqlens / ssm_state_indices read them on the host for their value checks; under
     # CUDA graph capture (what servers do for decode, and benchmarks for varlen) that read would be an error, so it
-    # is skipped there (_validate._capturing) and the captured graph replays what the eager call computes
-    fwd = kk.chunk_kda if family == "kda" else kk.chunk_gated_delta_rule
-    rec = kk.fused_recurrent_kda if family == "kda" else kk.fused_recurrent_gated_delta_rule
-    cu = torch.tensor([0, 64, 64, 200], dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make_inputs(family, B=1, T=200, dtype=torch.bfloat16, seed=23)
-    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    do = torch.randn_like(v)
-
-    def step():
-        o, s = fwd(*xs, output_final_state=True, cu_seqlens=cu)
-        return (o, s) + torch.autograd.grad((o, s), xs, (do, torch.ones_like(s)))
-    eager = step()
+    # is skipped there (_validate._capturing), and the replayed graph computes what the eager call computes.
+    # The capture runs in a child process: a capture that fails leaves the process's CUDA generator in capture mode,
+    # which would fail every later test of this worker. Stream handling as triton.testing.do_bench_cudagraph (whose
+    # capture of the varlen fwd+bwd worked in session 9's last device call).
+    if os.environ.get("KDA_TEST_CAPTURE_CHILD") != "1":
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                            f"{__file__}::test_public_api_captures_in_cuda_graphs[{family}-{part}]"],
+                           env={**os.environ, "KDA_TEST_CAPTURE_CHILD": "1"}, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        return
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    if part == "chunk_varlen":
+        fwd = kk.chunk_kda if family == "kda" else kk.chunk_gated_delta_rule
+        cu = torch.tensor([0, 64, 64, 200], dtype=torch.long, device=DEV)
+        q, k, v, g, beta = make_inputs(family, B=1, T=200, dtype=torch.bfloat16, seed=23)
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        do = torch.randn_like(v)
+
+        def step():
+            o, s = fwd(*xs, output_final_state=True, cu_seqlens=cu)
+            return (o, s) + torch.autograd.grad((o, s), xs, (do, torch.ones_like(s)))
+        names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
+    else:
+        rec = kk.fused_recurrent_kda if family == "kda" else kk.fused_recurrent_gated_delta_rule
+        qd, kd, vd, gd, bd = make_inputs(family, B=3, T=1, dtype=torch.bfloat16, seed=24)
+        pool0 = torch.randn(4, 4, 128, 128, device=DEV)
+        pool = pool0.clone()
+        idx = torch.tensor([2, 0, -1], device=DEV)
+
+        def step():
+            with torch.no_grad():
+                pool.copy_(pool0)
+                o, _ = rec(qd, kd, vd, gd, beta=bd, initial_state=pool, ssm_state_indices=idx)
+                return o, pool.clone()
+        names = ("o", "pool")
+    eager = [x.clone() for x in step()]
     with torch.cuda.stream(side):
-        step()  # warm-up on a side stream, as torch.cuda.graphs asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta"), eager, captured):
-        assert_close(name, a.double().cpu(), b.double().cpu(), 1e-5)  # same kernels (0 unless a reduction reorders)
-    # serving decode with ssm_state_indices, captured
-    qd, kd, vd, gd, bd = make_inputs(family, B=3, T=1, dtype=torch.bfloat16, seed=24)
-    pool0 = torch.randn(4, 4, 128, 128, device=DEV)
-    idx = torch.tensor([2, 0, -1], device=DEV)
-    pool = pool0.clone()
-    with torch.no_grad():
-        o_eager, _ = rec(qd, kd, vd, gd, beta=bd, initial_state=pool, ssm_state_indices=idx)
-        pool_eager = pool.clone()
-        pool.copy_(pool0)
-        with torch.cuda.stream(side):
-            rec(qd, kd, vd, gd, beta=bd, initial_state=pool.clone(), ssm_state_indices=idx)
-        torch.cuda.current_stream().wait_stream(side)
-        g2 = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g2):
-            o_cap, _ = rec(qd, kd, vd, gd, beta=bd, initial_state=pool, ssm_state_indices=idx)
-        g2.replay()
+        step()  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
         torch.cuda.synchronize()
-    assert_close("o", o_eager.double().cpu(), o_cap.double().cpu(), 1e-5)
-    assert_close("pool", pool_eager.double().cpu(), pool.double().cpu(), 1e-6)
+        graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(names, eager, captured):
+        assert_close(name, a.double().cpu(), b.double().cpu(), 1e-5)  # same kernels (0 unless a reduction reorders)
 
 
 # ------------------------------------------------------------------------------------------------ decode kernel
