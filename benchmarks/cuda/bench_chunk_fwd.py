@@ -10,7 +10,7 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
     BENCH_CHUNK_SCAN=1,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
         # the single scan kernel (1) and the bulk-prefetch scan (4) in one process (KDA_CUDA_CHUNK_SCAN; 0: auto)
     BENCH_CHUNK_SCAN=0,7 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # the default choice (0) and the warp-specialized scan5 (7, forced at every shape)
+        # the default choice (0: scan5 since session 9) and scan5 forced (7)
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,

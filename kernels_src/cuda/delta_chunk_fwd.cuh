@@ -20,7 +20,7 @@
 // bulk copy ahead of use.
 // Split forward (KDA_CUDA_CHUNK_SCAN=5 / 6, off by default): the state-only scan delta_chunk_scan4.cuh and the
 // parallel output kernel delta_chunk_out.cuh.
-// Warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7, off by default): delta_chunk_scan5.cuh, recurrence warps and
+// Warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7, the default since session 9): delta_chunk_scan5.cuh, recurrence warps and
 // output warps in one block.
 #pragma once
 
