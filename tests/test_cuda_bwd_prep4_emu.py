@@ -15,7 +15,7 @@ tests/test_cuda_stages.py check the CUDA code itself against the fp32 SIMT prep 
 import numpy as np
 import pytest
 
-from test_cuda_kda_prep2_emu import cross_tile, emu_cross_tiles
+from test_cuda_kda_prep2_emu import P1Pairs, cross_tile, emu_cross_tiles
 
 C, SUB, PASS, KP = 64, 16, 32, 128
 
@@ -42,17 +42,10 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
         Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
         Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
     Pre, Ex = np.full((4, KP), np.nan), np.full((3, KP), np.nan)
-    NB = 8 if split8 else SUB
-    NH = NB // 2
-    q1 = np.zeros((256, NH)); k1 = np.zeros((256, NH)); q2 = np.zeros((256, NB)); k2 = np.zeros((256, NB))  # noqa: E702
+    p1 = P1Pairs(split8)
     acc2 = np.zeros((8, 3, 32, 4))
     accq = np.zeros((4, 32, 4))
 
-    def p1_map(tid):
-        cg, a1 = tid & 7, tid >> 6
-        rp = ((tid & 31) >> 3) if split8 else ((tid >> 3) & 7)
-        j0 = a1 * SUB + (((tid >> 5) & 1) * NB if split8 else 0)
-        return cg, rp, j0, j0 + rp, j0 + NB - 1 - rp
     for ps in range(NP):
         cp0 = ps * PASS
         Fs, Rf, Hs = np.full((C, PASS), np.nan), np.full((C, PASS), np.nan), np.full((C, PASS), np.nan)
@@ -89,50 +82,16 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
         emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq)
-        for tid in range(256):  # P1 (branch-free: f stays 1 outside the triangle)
-            cg, rp, j0, t1, t2 = p1_map(tid)
-            for ci in range(PASS // 16):
-                c = cp0 + 2 * (ci * 8 + cg)
-                cc = [c, c + 1]
-                f1, f2 = np.ones(2), np.ones(2)
-                for jl in range(NB - 1, -1, -1):
-                    j = j0 + jl
-                    aj, kj = Gx[j, cc], Ks[j, cc]
-                    x = kj * f2
-                    q2[tid, jl] += Qs[t2, cc] @ x
-                    k2[tid, jl] += Ks[t2, cc] @ x
-                    if jl <= NB - 1 - rp:
-                        f2 = f2 * aj
-                    if jl < NH:
-                        x = kj * f1
-                        q1[tid, jl] += Qs[t1, cc] @ x
-                        k1[tid, jl] += Ks[t1, cc] @ x
-                        if jl <= rp:
-                            f1 = f1 * aj
+        p1.accumulate(Qs, Ks, Gx, cp0)
 
-    def sum8(x):  # warp_sum_below<8>
-        y = x.copy()
-        for m in (1, 2, 4):
-            y = y + y[np.arange(256) ^ m]
-        return y
-    q1, k1, q2, k2 = sum8(q1), sum8(k1), sum8(q2), sum8(k2)
-    for tid in range(256):  # results: P1
-        cg, rp, j0, t1, t2 = p1_map(tid)
-        for jl in range(NB):
-            if (jl & 7) != cg:
-                continue
-            j = j0 + jl
-            bj = Bs[j]
-            vq1 = q1[tid, jl % NH] if (jl < NH and jl <= rp) else 0.0
-            vk1 = k1[tid, jl % NH] if (jl < NH and jl < rp) else 0.0
-            vq2 = q2[tid, jl] if jl <= NB - 1 - rp else 0.0
-            vk2 = k2[tid, jl] if jl < NB - 1 - rp else 0.0
-            put(aqk, t1 * C + j, vq1)
-            put(aqk, t2 * C + j, vq2)
-            put(akk, t1 * C + j, vk1)
-            put(akk, t2 * C + j, vk2)
-            assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
-            Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
+    for t1, t2, j, vq1, vk1, vq2, vk2 in p1.results():  # results: P1
+        bj = Bs[j]
+        put(aqk, t1 * C + j, vq1)
+        put(aqk, t2 * C + j, vq2)
+        put(akk, t1 * C + j, vk1)
+        put(akk, t2 * C + j, vk2)
+        assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
+        Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
     if split8:
         for tid in range(256):  # upper-right quarters: zeros
             a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7

@@ -18,6 +18,69 @@ from test_cuda_gdn_prep_emu import acc_to_afrag, frag_index, unfrag
 C, SUB, PASS = 64, 16, 32
 
 
+class P1Pairs:
+    """P1 of the KDA preps (kda_chunk_prep2.cuh, delta_chunk_bwd_prep4.cuh share it): the in-sub-chunk pairs (t, j)
+    of each diagonal block (NB = 16, or 8 with the split) with running products, thread tid's map, its partial
+    sums per pass (branch-free: f stays 1 outside the triangle), warp_sum_below<8> and the triangle's results."""
+
+    def __init__(self, split8):
+        self.split8 = split8
+        self.NB = NB = 8 if split8 else SUB
+        self.NH = NH = NB // 2
+        self.q1, self.k1 = np.zeros((256, NH)), np.zeros((256, NH))
+        self.q2, self.k2 = np.zeros((256, NB)), np.zeros((256, NB))
+
+    def map(self, tid):
+        cg, a1 = tid & 7, tid >> 6
+        rp = ((tid & 31) >> 3) if self.split8 else ((tid >> 3) & 7)
+        j0 = a1 * SUB + (((tid >> 5) & 1) * self.NB if self.split8 else 0)
+        return cg, rp, j0, j0 + rp, j0 + self.NB - 1 - rp
+
+    def accumulate(self, Qs, Ks, Gx, cp0):
+        NB, NH = self.NB, self.NH
+        for tid in range(256):
+            cg, rp, j0, t1, t2 = self.map(tid)
+            for ci in range(PASS // 16):
+                c = cp0 + 2 * (ci * 8 + cg)
+                cc = [c, c + 1]
+                f1, f2 = np.ones(2), np.ones(2)
+                for jl in range(NB - 1, -1, -1):
+                    j = j0 + jl
+                    aj, kj = Gx[j, cc], Ks[j, cc]
+                    x = kj * f2
+                    self.q2[tid, jl] += Qs[t2, cc] @ x
+                    self.k2[tid, jl] += Ks[t2, cc] @ x
+                    if jl <= NB - 1 - rp:
+                        f2 = f2 * aj
+                    if jl < NH:
+                        x = kj * f1
+                        self.q1[tid, jl] += Qs[t1, cc] @ x
+                        self.k1[tid, jl] += Ks[t1, cc] @ x
+                        if jl <= rp:
+                            f1 = f1 * aj
+
+    def results(self):
+        """(t1, t2, j, q.k and k.k of (t1, j) and of (t2, j)) for every pair a thread writes, after the warp sums
+        (xor 1, 2, 4 inside each group of 8 lanes); 0 outside the triangle (the diagonal kept for q, not for k)."""
+        def sum8(x):
+            y = x.copy()
+            for m in (1, 2, 4):
+                y = y + y[np.arange(256) ^ m]
+            return y
+        NB, NH = self.NB, self.NH
+        q1, k1, q2, k2 = sum8(self.q1), sum8(self.k1), sum8(self.q2), sum8(self.k2)
+        for tid in range(256):
+            cg, rp, j0, t1, t2 = self.map(tid)
+            for jl in range(NB):
+                if (jl & 7) != cg:
+                    continue
+                vq1 = q1[tid, jl % NH] if (jl < NH and jl <= rp) else 0.0
+                vk1 = k1[tid, jl % NH] if (jl < NH and jl < rp) else 0.0
+                vq2 = q2[tid, jl] if jl <= NB - 1 - rp else 0.0
+                vk2 = k2[tid, jl] if jl < NB - 1 - rp else 0.0
+                yield t1, t2, j0 + jl, vq1, vk1, vq2, vk2
+
+
 def cross_tile(tile):
     """Cross-sub-chunk tile number (0..23) -> row block a (1..3), matrix (0: q, 1: k), 8-column tile nt (< 2a), as
     cross_tile of kda_chunk_prep2.cuh (moved here with it from the retired v1 emulation, test_cuda_kda_prep_emu.py)."""
@@ -49,17 +112,10 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
         Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
         Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
     Pre, Suf, Ex = np.full((4, KP), np.nan), np.full((4, KP), np.nan), np.full((3, KP), np.nan)
-    NB = 8 if split8 else SUB  # P1's diagonal block
-    NH = NB // 2
-    q1 = np.zeros((256, NH)); k1 = np.zeros((256, NH)); q2 = np.zeros((256, NB)); k2 = np.zeros((256, NB))  # noqa: E702
+    p1 = P1Pairs(split8)
     acc2 = np.zeros((8, 3, 32, 4))
     accq = np.zeros((4, 32, 4))  # split8, warps 0-3
 
-    def p1_map(tid):
-        cg, a1 = tid & 7, tid >> 6
-        rp = ((tid & 31) >> 3) if split8 else ((tid >> 3) & 7)
-        j0 = a1 * SUB + (((tid >> 5) & 1) * NB if split8 else 0)
-        return cg, rp, j0, j0 + rp, j0 + NB - 1 - rp
     for ps in range(NP):
         cp0 = ps * PASS
         Fs, Rf, Hs = np.full((C, PASS), np.nan), np.full((C, PASS), np.nan), np.full((C, PASS), np.nan)
@@ -127,48 +183,13 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
                     i = ((cp0 // 16 + rb) * (C // 8) + ct) * 32 + ln
                     for e in range(4):
                         put(ws_kg, i * 4 + e, x[e])
-        for tid in range(256):  # P1 (branch-free: f stays 1 outside the triangle)
-            cg, rp, j0, t1, t2 = p1_map(tid)
-            for ci in range(PASS // 16):
-                c = cp0 + 2 * (ci * 8 + cg)
-                cc = [c, c + 1]
-                f1, f2 = np.ones(2), np.ones(2)
-                for jl in range(NB - 1, -1, -1):
-                    j = j0 + jl
-                    aj, kj = Gx[j, cc], Ks[j, cc]
-                    x = kj * f2
-                    q2[tid, jl] += Qs[t2, cc] @ x
-                    k2[tid, jl] += Ks[t2, cc] @ x
-                    if jl <= NB - 1 - rp:
-                        f2 = f2 * aj
-                    if jl < NH:
-                        x = kj * f1
-                        q1[tid, jl] += Qs[t1, cc] @ x
-                        k1[tid, jl] += Ks[t1, cc] @ x
-                        if jl <= rp:
-                            f1 = f1 * aj
-    # results (as v1)
-    def sum8(x):  # warp_sum_below<8>: xor 1, 2, 4 inside each group of 8 lanes
-        y = x.copy()
-        for m in (1, 2, 4):
-            y = y + y[np.arange(256) ^ m]
-        return y
-    q1, k1, q2, k2 = sum8(q1), sum8(k1), sum8(q2), sum8(k2)
-    for tid in range(256):
-        cg, rp, j0, t1, t2 = p1_map(tid)
-        for jl in range(NB):
-            if (jl & 7) != cg:
-                continue
-            j = j0 + jl
-            bj = Bs[j]
-            vq1 = q1[tid, jl % NH] if (jl < NH and jl <= rp) else 0.0
-            vk1 = k1[tid, jl % NH] if (jl < NH and jl < rp) else 0.0
-            vq2 = q2[tid, jl] if jl <= NB - 1 - rp else 0.0
-            vk2 = k2[tid, jl] if jl < NB - 1 - rp else 0.0
-            put(ws_aqk, frag_index(t1, j, C), scale * vq1 * bj)
-            put(ws_aqk, frag_index(t2, j, C), scale * vq2 * bj)
-            assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
-            Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
+        p1.accumulate(Qs, Ks, Gx, cp0)
+    for t1, t2, j, vq1, vk1, vq2, vk2 in p1.results():  # results (as v1)
+        bj = Bs[j]
+        put(ws_aqk, frag_index(t1, j, C), scale * vq1 * bj)
+        put(ws_aqk, frag_index(t2, j, C), scale * vq2 * bj)
+        assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
+        Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
     if split8:
         for tid in range(256):  # the upper-right quarter of each diagonal block of A~: zero
             a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
