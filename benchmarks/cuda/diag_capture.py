@@ -28,7 +28,31 @@ CASES = {
 }
 
 
+def run_test_function(name):
+    """The test itself (tests/test_cuda_backend.py::test_public_api_captures_in_cuda_graphs) without pytest, with and
+    without the warning recorder of its autouse fixture; and the diag's step on the test's make_inputs."""
+    import warnings
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, os.path.join(root, "tests"))
+    os.environ["KDA_TEST_CAPTURE_CHILD"] = "1"
+    import test_cuda_backend as t
+    family = "gdn" if "gdn" in name else "kda"
+    if name.startswith("test_warn"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.test_public_api_captures_in_cuda_graphs(family, "chunk_varlen")
+        print([str(w.message)[:200] for w in caught])
+    else:
+        t.test_public_api_captures_in_cuda_graphs(family, "chunk_varlen")
+    print("OK")
+
+
+TEST_CASES = ["test_plain_kda", "test_warn_kda", "test_plain_gdn"]
+
+
 def run_case(name):
+    if name in TEST_CASES:
+        return run_test_function(name)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
     from cuda_variant import load_cuda_variant
     kk = load_cuda_variant()
@@ -73,11 +97,13 @@ def main():
     if len(sys.argv) > 1:
         run_case(sys.argv[1])
         return
-    for name in CASES:
+    for name in list(CASES) + TEST_CASES:
         r = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, timeout=300)
         tail = (r.stdout + r.stderr).strip().splitlines()
         msg = "OK" if r.returncode == 0 else " | ".join(l for l in tail if "Error" in l or "error" in l)[-600:]
         print(f"{name:24s} {msg}", flush=True)
+        if r.returncode != 0 or name.startswith("test_warn"):
+            print("\n".join(tail[-60:]), flush=True)
 
 
 if __name__ == "__main__":
