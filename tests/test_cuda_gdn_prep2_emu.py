@@ -237,3 +237,115 @@ def test_shared_memory_layout(KP):
     assert all(x % 16 == 0 for x in (ks, ab, ts, gh))
     assert 3 * (nbytes + 1024) <= 228 * 1024  # three blocks per SM on sm_90
     assert (LDA * 4) % 16 == 0  # ldmatrix rows of T 16-byte aligned
+
+
+def to_tf32_fast(x32):
+    """The kernel's to_tf32_fast on float32 bit patterns: (bits + 0x1000) & 0xffffe000."""
+    b = x32.view(np.uint32).astype(np.uint64)
+    return (((b + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+
+
+def rna_tf32_reference(x):
+    """Round a float32 to the nearest tf32 value (10 stored mantissa bits, fp32's exponent range, subnormals kept),
+    ties away from zero, in float64: the two tf32 neighbours of |x| and a comparison of the distances."""
+    out = np.empty_like(x)
+    for i, v in enumerate(x.astype(np.float64)):
+        if np.isinf(v) or v == 0:
+            out[i] = v
+            continue
+        a = abs(v)
+        e = max(np.floor(np.log2(a)), -126)  # subnormals: the fixed spacing of the smallest normal binade
+        ulp = 2.0 ** (e - 10)
+        lo = np.floor(a / ulp) * ulp
+        if lo > a:  # log2 rounding at a binade edge
+            e -= 1
+            ulp = 2.0 ** (e - 10)
+            lo = np.floor(a / ulp) * ulp
+        hi = lo + ulp
+        r = hi if (a - lo) >= (hi - a) else lo
+        out[i] = np.float32(np.copysign(r, v)) if r < 2.0 ** 128 else np.copysign(np.inf, v)
+    return out
+
+
+def test_to_tf32_fast_is_round_to_nearest_ties_away():
+    """to_tf32_fast (the kernel's B-operand and T rounding) equals round-to-nearest-ties-away to tf32 -- the
+    rounding of cvt.rna.tf32.f32 that gdn_chunk_prep_kernel uses -- for normal, subnormal, tie, huge, negative and
+    infinite inputs, so v2's tf32 operands are v1's."""
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(2000).astype(np.float32),
+          (rng.standard_normal(500) * 1e-40).astype(np.float32),  # subnormals
+          (rng.standard_normal(500) * 1e37).astype(np.float32),
+          np.array([0.0, -0.0, np.inf, -np.inf, 3.4028235e38, -3.4028235e38, 1.1754944e-38, 1e-45], np.float32)]
+    ties = (rng.integers(0, 1 << 10, 300, dtype=np.uint64) << 13 | 0x1000 | (rng.integers(1, 200, 300,
+            dtype=np.uint64) << 23)).astype(np.uint32).view(np.float32)
+    xs.append(ties)
+    xs.append(-ties)
+    x = np.concatenate(xs)
+    got = to_tf32_fast(x)
+    ref = rna_tf32_reference(x)
+    same = (got.view(np.uint32) == ref.view(np.uint32)) | ((got == 0) & (ref == 0))
+    assert same.all(), x[~same][:5]
+
+
+def test_round_t_covers_every_element_s5_reads():
+    """prep2_round_t's predicate (c < (r / 16 + 1) * 16) rounds exactly the elements of T that S5's ldmatrix reads
+    (row block a, k-blocks s < 2a + 2)."""
+    rounded = np.zeros((C, C), dtype=bool)
+    for i in range(C * C):
+        r, c = i // C, i % C
+        if c < (r // SUB + 1) * SUB:
+            rounded[r, c] = True
+    read = np.zeros((C, C), dtype=bool)
+    for a in range(4):
+        for s in range(2 * a + 2):
+            for lane in range(32):
+                r = a * SUB + (lane & 7) + 8 * ((lane >> 3) & 1)
+                c0 = s * 8 + 4 * (lane >> 4)
+                read[r, c0:c0 + 4] = True
+    assert (rounded == read).all()
+
+
+def ldsm_x4_b16(word_at, lane_addr_halfs):
+    """ldmatrix.x4 (b16): lanes 8 i .. 8 i + 7 give the row addresses (in halfs, 16-byte aligned) of matrix i;
+    lane l receives the 32-bit word holding halfs 2 (l % 4), 2 (l % 4) + 1 of row l / 4 of each matrix.
+    word_at(half address) names the 32-bit word there."""
+    out = [[None] * 4 for _ in range(32)]
+    for lane in range(32):
+        for i in range(4):
+            addr = lane_addr_halfs[8 * i + lane // 4]
+            assert addr % 8 == 0, "ldmatrix rows must be 16-byte aligned"
+            out[lane][i] = word_at(addr + 2 * (lane % 4))
+    return out
+
+
+@pytest.mark.parametrize("KP", [64, 128])
+def test_s1_ldmatrix_fragments_are_v1s_word_reads(KP):
+    """S1's ldmatrix addressing (A: one x4 per k-step from q / k rows 16a.., B: one x4 per two k-steps from k rows
+    8nt..) gives every lane, for every lower tile and k-step, the 32-bit words v1 reads: A (row g, word t),
+    (g + 8, t), (g, t + 4), (g + 8, t + 4) of the k-step, B (row 8 nt + g, word t), (8 nt + g, t + 4). Shared
+    rows conflict-free (row stride KP + 8 halfs)."""
+    LDH = KP + 8
+
+    def word_at(h):  # (row, word within the row)
+        assert h % 2 == 0
+        return divmod(h, LDH)[0], (h % LDH) // 2
+
+    for job in range(20):
+        a, nt = lower_tile(job)
+        arow = [(((l & 7) + 8 * ((l >> 3) & 1)) * LDH + 8 * (l >> 4)) for l in range(32)]
+        brow = [((l & 7) * LDH + 8 * (l >> 3)) for l in range(32)]
+        for s2 in range(KP // 32):
+            bw = ldsm_x4_b16(word_at, [nt * 8 * LDH + 32 * s2 + x for x in brow])
+            for h in range(2):
+                s = 2 * s2 + h
+                aw = ldsm_x4_b16(word_at, [a * SUB * LDH + 16 * s + x for x in arow])
+                for lane in range(32):
+                    gq, t4 = lane >> 2, lane & 3
+                    r, o = a * SUB + gq, s * 8
+                    assert aw[lane] == [(r, o + t4), (r + 8, o + t4), (r, o + t4 + 4), (r + 8, o + t4 + 4)]
+                    assert bw[lane][2 * h] == (nt * 8 + gq, o + t4)
+                    assert bw[lane][2 * h + 1] == (nt * 8 + gq, o + t4 + 4)
+    # each matrix's eight 16-byte rows: distinct bank groups
+    for rows in ([(l & 7) for l in range(8)],):
+        banks = sorted({((r * LDH) // 2 % 32) // 4 for r in rows})
+        assert banks == list(range(8))

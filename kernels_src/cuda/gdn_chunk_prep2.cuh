@@ -12,10 +12,14 @@
 //    staged at S0: its cp.async goes into q's tile once q is done (after S2) and lands behind S3 / S4; the
 //    16x16 scratch blocks of S3 / S4 live in Ab's upper triangle (never written by S1 nor read later) instead of
 //    q's tile. q, k, v, Ab, T: 4 x 17 KB.
-//  - S5 (w = T (K e^G), u0 = T V, tf32 m16n8k8) in pairs of 8-column jobs per warp: each A fragment of T is read
-//    once per pair by one ldmatrix.x4 (the fp32 words as b16 pairs: lane l gets word l % 4 of row l / 4, the tf32
-//    A fragment's layout) and converted once, each B value converted to tf32 once (not once per row block); u0
-//    goes out as float2 pairs where V is even (one full 32-byte sector per row per instruction).
+//  - S5 (w = T (K e^G), u0 = T V, tf32 m16n8k8) in pairs of 8-column jobs per warp, with far fewer conversions:
+//    the old S5 spent most of its instructions on cvt.rna.tf32.f32 (3 SASS instructions each on sm_90: 6 per mma,
+//    about 16 k of the block's 34 k warp instructions measured by Nsight Compute). Here T is rounded to tf32 once
+//    in shared memory after S4 (prep2_round_t, one more barrier), each A fragment is read once per pair by one
+//    ldmatrix.x4 (the fp32 words as b16 pairs: lane l gets word l % 4 of row l / 4, the tf32 A fragment's
+//    layout) with no conversion, and each B value is rounded once (not once per row block) by the 2-instruction
+//    to_tf32_fast (the same bits as cvt.rna for every non-NaN input). u0 goes out as float2 pairs where V is even
+//    (one full 32-byte sector per row per instruction, half the store instructions).
 //  - k~^T's stores are split between S3 and S4 (warps 2-7), so S4's 3xTF32 products on warps 0-1 no longer run
 //    alone.
 // The values are those of gdn_chunk_prep_kernel: S0-S4 are its code, S5 the same tf32 products (cvt.rna of the
@@ -99,6 +103,12 @@ __device__ __forceinline__ void prep2_inverse_sub2(float* Ab, float* Ts, int war
   }
 }
 
+// fp32 -> tf32 (the bits of the tf32 value in an fp32 container), round to nearest with ties away from zero: the
+// result of cvt.rna.tf32.f32 for every non-NaN input (finite, subnormal, +-inf; the sign-magnitude bits round the
+// magnitude up when the 13 dropped bits are >= 0x1000) in 2 instructions instead of its 3 (a NaN may come out as
+// inf).
+__device__ __forceinline__ uint32_t to_tf32_fast(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
 // Four 8x8 b16 matrices (here: 8 rows x 4 fp32 words each) from shared memory; lanes 8 i .. 8 i + 7 give the
 // row addresses of matrix i, lane l receives word l % 4 of row l / 4 of each.
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
@@ -123,8 +133,20 @@ __device__ __forceinline__ void prep2_kg(float* ws, const WsLayout<KP>& WL, bool
   }
 }
 
+// T's row blocks a over the column blocks 0..a (all S5 reads) rounded to tf32 in place, once, after S4 (the 3xTF32
+// products of S3 / S4 need T in fp32): the value prep_w_u0 converts T's A fragments to at every use.
+__device__ __forceinline__ void prep2_round_t(float* Ts, int tid) {
+  for (int i = tid; i < kChunk * kChunk; i += kGdnThreads) {
+    const int r = i / kChunk, c = i % kChunk;
+    if (c < (r / kSub + 1) * kSub) {
+      float* x = Ts + r * kPrepLDA + c;
+      *x = __uint_as_float(to_tf32_fast(*x));
+    }
+  }
+}
+
 // S5: w = T (K e^G) (fragment order) and u0 = T V (row-major), tf32 m16n8k8, the products of prep_w_u0 (same
-// operands, conversions and order) in pairs of 8-column jobs (j0, j0 + 1) per warp. The w jobs come first and
+// operands, the same rounding to tf32 (T's done once by prep2_round_t), the same order) in pairs of 8-column jobs (j0, j0 + 1) per warp. The w jobs come first and
 // number KP / 8 (even), so a pair never mixes w and u0; an odd last u0 job computes a discarded partner from
 // staged (zero or in-bounds) columns. V > 128 restages the next 128 columns of v between block barriers.
 template <int KP, typename T16>
@@ -164,7 +186,7 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int t = s * 8 + t4 + 4 * hh, c = n0 + 8 * jj + gq;
-            b[jj][s][hh] = to_tf32(isw ? f16(Ks[t * LDH + c]) * Ea[t] : f16(Vs[t * LDV + c]));
+            b[jj][s][hh] = to_tf32_fast(isw ? f16(Ks[t * LDH + c]) * Ea[t] : f16(Vs[t * LDV + c]));
           }
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
@@ -173,12 +195,8 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
 #pragma unroll
         for (int s = 0; s < kChunk / 8; ++s) {
           if (s < 2 * a + 2) {
-            uint32_t a0, a1, a2, a3;
+            uint32_t a0, a1, a2, a3;  // T, already rounded to tf32 (prep2_round_t)
             ldsm_x4(ta + 4u * static_cast<uint32_t>(a * kSub * LDA + s * 8), a0, a1, a2, a3);
-            a0 = to_tf32(__uint_as_float(a0));
-            a1 = to_tf32(__uint_as_float(a1));
-            a2 = to_tf32(__uint_as_float(a2));
-            a3 = to_tf32(__uint_as_float(a3));
             mma_tf32_raw(acc[0], a0, a1, a2, a3, b[0][s][0], b[0][s][1]);
             mma_tf32_raw(acc[1], a0, a1, a2, a3, b[1][s][0], b[1][s][1]);
           }
@@ -280,24 +298,35 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   gdn_cp_async_wait_all();
   __syncthreads();
 
-  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16), decay and beta per element; upper A~ tiles = 0
+  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16), decay and beta per element; upper A~ tiles = 0.
+  //      v1's fragments (32-bit words of rows g / g + 8, words t / t + 4 of the k-step) by ldmatrix: A (q or k rows
+  //      16a..16a+15) one x4 per k-step, lanes 8i..8i+7 addressing rows (i & 1) * 8 + (lane & 7) at half offset
+  //      8 (i >> 1); B (k rows 8nt..8nt+7) one x4 per two k-steps, matrix i at half offset 8 i.
   {
-    const uint32_t* Q32 = reinterpret_cast<const uint32_t*>(Qs);
-    const uint32_t* K32 = reinterpret_cast<const uint32_t*>(Ks);
-    constexpr int LW = LDH / 2;  // row stride in 32-bit words
+    const uint32_t qs_a = static_cast<uint32_t>(__cvta_generic_to_shared(Qs));
+    const uint32_t ks_a = static_cast<uint32_t>(__cvta_generic_to_shared(Ks));
+    const uint32_t arow = static_cast<uint32_t>((((lane & 7) + 8 * ((lane >> 3) & 1)) * LDH + 8 * (lane >> 4)) * 2);
+    const uint32_t brow = static_cast<uint32_t>(((lane & 7) * LDH + 8 * (lane >> 3)) * 2);
     for (int job = warp; job < 20; job += kGdnThreads / 32) {
       int a, nt;
       lower_tile(job, a, nt);
       float cq[4] = {0.f, 0.f, 0.f, 0.f}, ckk[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t* qa = Q32 + (a * kSub + gq) * LW + t4;
-      const uint32_t* ka = K32 + (a * kSub + gq) * LW + t4;
-      const uint32_t* kb = K32 + (nt * 8 + gq) * LW + t4;
+      const uint32_t qa = qs_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
+      const uint32_t ka = ks_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
+      const uint32_t kb = ks_a + static_cast<uint32_t>(nt * 8 * LDH * 2) + brow;
 #pragma unroll
-      for (int s = 0; s < KP / 16; ++s) {
-        const int o = s * 8;
-        const uint32_t b0 = kb[o], b1 = kb[o + 4];
-        mma16<T16>(cq, qa[o], qa[o + 8 * LW], qa[o + 4], qa[o + 8 * LW + 4], b0, b1);
-        mma16<T16>(ckk, ka[o], ka[o + 8 * LW], ka[o + 4], ka[o + 8 * LW + 4], b0, b1);
+      for (int s2 = 0; s2 < KP / 32; ++s2) {
+        uint32_t b[4];
+        ldsm_x4(kb + 64u * s2, b[0], b[1], b[2], b[3]);  // k-steps 2 s2 (b[0], b[1]) and 2 s2 + 1 (b[2], b[3])
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t off = 32u * (2 * s2 + h);  // 16 halfs per k-step
+          uint32_t q0, q1, q2, q3, k0, k1, k2, k3;
+          ldsm_x4(qa + off, q0, q1, q2, q3);
+          ldsm_x4(ka + off, k0, k1, k2, k3);
+          mma16<T16>(cq, q0, q1, q2, q3, b[2 * h], b[2 * h + 1]);
+          mma16<T16>(ckk, k0, k1, k2, k3, b[2 * h], b[2 * h + 1]);
+        }
       }
       float vq[4], vk[4];
 #pragma unroll
@@ -348,6 +377,8 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   prep2_inverse_sub2(Ab, Ts, warp, gq, t4);
   if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ck, NK / 2, NK, tid - 64, kGdnThreads - 64);
   gdn_cp_async_wait_all();
+  __syncthreads();
+  prep2_round_t(Ts, tid);
   __syncthreads();
 
   // ---- S5: w = T (K e^G) (fragment order), u0 = T V (row-major); V in blocks of 128 columns
