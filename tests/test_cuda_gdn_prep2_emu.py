@@ -288,13 +288,18 @@ def test_to_tf32_fast_is_round_to_nearest_ties_away():
 
 
 def test_round_t_covers_every_element_s5_reads():
-    """prep2_round_t's predicate (c < (r / 16 + 1) * 16) rounds exactly the elements of T that S5's ldmatrix reads
-    (row block a, k-blocks s < 2a + 2)."""
-    rounded = np.zeros((C, C), dtype=bool)
-    for i in range(C * C):
-        r, c = i // C, i % C
-        if c < (r // SUB + 1) * SUB:
-            rounded[r, c] = True
+    """prep2_round_t (groups of 4 columns, predicate c < (r / 16 + 1) * 16) rounds exactly once exactly the
+    elements of T that S5's ldmatrix reads (row block a, k-blocks s < 2a + 2)."""
+    rounded = np.zeros((C, C), dtype=int)
+    for tid in range(THREADS):
+        for i in range(tid, C * (C // 4), THREADS):
+            r, c = i // (C // 4), (i % (C // 4)) * 4
+            assert (r * LDA + c) % 4 == 0  # 16-byte accesses
+            if c < (r // SUB + 1) * SUB:
+                assert c + 4 <= (r // SUB + 1) * SUB  # a group never straddles a block
+                rounded[r, c:c + 4] += 1
+    assert rounded.max() == 1
+    rounded = rounded == 1
     read = np.zeros((C, C), dtype=bool)
     for a in range(4):
         for s in range(2 * a + 2):

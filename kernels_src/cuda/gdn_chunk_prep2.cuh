@@ -22,8 +22,9 @@
 //    (one full 32-byte sector per row per instruction, half the store instructions).
 //  - k~^T's stores are split between S3 and S4 (warps 2-7), so S4's 3xTF32 products on warps 0-1 no longer run
 //    alone.
-// The values are those of gdn_chunk_prep_kernel: S0-S4 are its code, S5 the same tf32 products (cvt.rna of the
-// same fp32 operands, same accumulation order).
+//  - S1's m16n8k16 fragments (the same 32-bit words) by ldmatrix.x4: 3 instead of 10 shared loads per k-step.
+// The values are those of gdn_chunk_prep_kernel: S0, S2-S4 are its code, S1 the same fragments and products, S5
+// the same tf32 operands (rounded as cvt.rna rounds them) and accumulation order.
 #pragma once
 
 #include "gdn_chunk_prep.cuh"
@@ -135,20 +136,27 @@ __device__ __forceinline__ void prep2_kg(float* ws, const WsLayout<KP>& WL, bool
 
 // T's row blocks a over the column blocks 0..a (all S5 reads) rounded to tf32 in place, once, after S4 (the 3xTF32
 // products of S3 / S4 need T in fp32): the value prep_w_u0 converts T's A fragments to at every use.
+// Groups of 4 columns (16-byte accesses; rows of kPrepLDA floats are 16-byte aligned, no group straddles a block).
 __device__ __forceinline__ void prep2_round_t(float* Ts, int tid) {
-  for (int i = tid; i < kChunk * kChunk; i += kGdnThreads) {
-    const int r = i / kChunk, c = i % kChunk;
+  for (int i = tid; i < kChunk * (kChunk / 4); i += kGdnThreads) {
+    const int r = i / (kChunk / 4), c = (i % (kChunk / 4)) * 4;
     if (c < (r / kSub + 1) * kSub) {
-      float* x = Ts + r * kPrepLDA + c;
-      *x = __uint_as_float(to_tf32_fast(*x));
+      float4* x = reinterpret_cast<float4*>(Ts + r * kPrepLDA + c);
+      float4 v = *x;
+      v.x = __uint_as_float(to_tf32_fast(v.x));
+      v.y = __uint_as_float(to_tf32_fast(v.y));
+      v.z = __uint_as_float(to_tf32_fast(v.z));
+      v.w = __uint_as_float(to_tf32_fast(v.w));
+      *x = v;
     }
   }
 }
 
 // S5: w = T (K e^G) (fragment order) and u0 = T V (row-major), tf32 m16n8k8, the products of prep_w_u0 (same
-// operands, the same rounding to tf32 (T's done once by prep2_round_t), the same order) in pairs of 8-column jobs (j0, j0 + 1) per warp. The w jobs come first and
-// number KP / 8 (even), so a pair never mixes w and u0; an odd last u0 job computes a discarded partner from
-// staged (zero or in-bounds) columns. V > 128 restages the next 128 columns of v between block barriers.
+// operands, the same rounding to tf32 -- T's done once by prep2_round_t --, the same order) in pairs of 8-column
+// jobs (j0, j0 + 1) per warp. The w jobs come first and number KP / 8 (even), so a pair never mixes w and u0; an
+// odd last u0 job computes a discarded partner from staged (zero or in-bounds) columns. V > 128 restages the next
+// 128 columns of v between block barriers.
 template <int KP, typename T16>
 __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
                                            uint16_t* Vs, const uint16_t* Ks, const float* Ea, const uint16_t* vg,
