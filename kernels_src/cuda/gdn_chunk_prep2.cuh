@@ -4,17 +4,18 @@
 //
 // Session 9's gdn_chunk_prep_kernel (0.30 ms at B1 T8192 H16 HV32 K=V=128 on the H200) moves about 155 KB per
 // block (48 KB of q / k / v in, 107 KB of workspace out), about 0.13 ms for the whole grid at the H200's DRAM
-// bandwidth: it runs at about 45 % of it. Its blocks spend most of their time in short, barrier-separated phases
-// where a few warps work (the substitution of S2 on 4 half warps, the 3xTF32 products of S3 / S4 on 2 warps)
-// while the memory system idles; with 88 KB of shared memory and 115 registers only two blocks (16 warps) per SM
-// overlap them. Here:
+// bandwidth. Nsight Compute (session 10): DRAM 30 %, issue slots 50 % busy with 0.96 eligible warps per
+// scheduler, 34 k warp instructions per block: bound by instruction issue and latency. Its blocks run short,
+// barrier-separated phases where a few warps work (the substitution of S2 on 4 half warps, the 3xTF32 products of
+// S3 / S4 on 2 warps); with 88 KB of shared memory and 115 registers only two blocks (16 warps) per SM overlap
+// them. Here:
 //  - 69 KB of shared memory and at most 80 registers (__launch_bounds__(256, 3)): three blocks per SM. v is not
 //    staged at S0: its cp.async goes into q's tile once q is done (after S2) and lands behind S3 / S4; the
 //    16x16 scratch blocks of S3 / S4 live in Ab's upper triangle (never written by S1 nor read later) instead of
 //    q's tile. q, k, v, Ab, T: 4 x 17 KB.
 //  - S5 (w = T (K e^G), u0 = T V, tf32 m16n8k8) in pairs of 8-column jobs per warp, with far fewer conversions:
-//    the old S5 spent most of its instructions on cvt.rna.tf32.f32 (3 SASS instructions each on sm_90: 6 per mma,
-//    about 16 k of the block's 34 k warp instructions measured by Nsight Compute). Here T is rounded to tf32 once
+//    the old S5 spent most of its instructions on cvt.rna.tf32.f32 (3 SASS instructions each on sm_90, 6 per mma:
+//    by a count of the code about 11 k of the block's 34 k warp instructions). Here T is rounded to tf32 once
 //    in shared memory after S4 (prep2_round_t, one more barrier), each A fragment is read once per pair by one
 //    ldmatrix.x4 (the fp32 words as b16 pairs: lane l gets word l % 4 of row l / 4, the tf32 A fragment's
 //    layout) with no conversion, and each B value is rounded once (not once per row block) by the 2-instruction
