@@ -128,7 +128,7 @@ def main():
     budget = float(os.environ.get("BENCH_BUDGET_S", "1e9"))
     t_start = time.time()
     families = os.environ.get("BENCH_FAMILIES", "kda,gdn").split(",")
-    preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # KDA_CUDA_GDN_PREP values to time in turn (1: the only one)
+    preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # KDA_CUDA_GDN_PREP values in turn (1 default, 2 v2)
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP (e.g. "2,3")
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
     # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk, 5 / 6 split, 7 warp-specialized)

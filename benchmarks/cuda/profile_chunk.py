@@ -48,7 +48,7 @@ def kernel_times(fn, reps=5):
 
 
 # Knobs whose values are timed in turn, in the same process (the host code reads them on every call):
-# (option, environment variable, phase, row name prefix, KDA only, what the values select)
+# (option, environment variable, phase, row name prefix, KDA only (True; "gdn": GDN only), what the values select)
 KNOB_SWEEPS = [
     ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False,
      "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
@@ -56,6 +56,9 @@ KNOB_SWEEPS = [
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
      "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs (0, the generic prep, and 1, "
      "kda_chunk_prep v1: retired in session 9, refused)"),
+    ("--gdn-prep", "KDA_CUDA_GDN_PREP", "fwd", "fwd_gdn_prep", "gdn",
+     "1 gdn_chunk_prep, the default for bf16/fp16 inputs, 2 gdn_chunk_prep2 (session 10: the same workspace, three "
+     "blocks per SM, S5 in job pairs with ldmatrix) (0, the generic prep: retired in session 9, refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
@@ -125,7 +128,8 @@ def main():
                          "bf16/fp16 inputs is a tensor-core prep, v4 for KDA, v3 for GDN) as bwd_prep2")
     for opt, env, phase, row, kda_only, values in KNOB_SWEEPS:
         ap.add_argument(opt, default="", help=f"comma-separated {env} values ({values}) to also time the {phase} "
-                                              f"with, each as {row}N" + (" (KDA only)" if kda_only else ""))
+                                              f"with, each as {row}N" + (" (GDN only)" if kda_only == "gdn" else
+                                                                         " (KDA only)" if kda_only else ""))
     args = ap.parse_args()
     B, T, H, HV, K, V = (int(x) for x in args.shape.split(","))
     ops = load_cuda_variant("kda_cuda_profile").ops
@@ -144,7 +148,9 @@ def main():
         if args.peak:
             res[family]["peak_mib"] = {phase: peak_mib(fn) for phase, fn in fns.items() if phase in phases}
         # the older kernels, selected by knobs the host code reads on every call, timed in the same process
-        extra = [(family == "kda" or not kda_only, phase, f"{row}{x}", {env: x})
+        # the fifth field: True KDA only, "gdn" GDN only, False both families
+        extra = [((family == "gdn") if kda_only == "gdn" else (family == "kda" or not kda_only), phase, f"{row}{x}",
+                  {env: x})
                  for opt, env, phase, row, kda_only, _ in KNOB_SWEEPS
                  for x in getattr(args, opt[2:].replace("-", "_")).split(",") if x]
         # (--bwd-state-v1, --bwd-grad-v1, --bwd-grad2: their kernels were retired in session 9)

@@ -2,7 +2,8 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh), as does KDA (KDA_CUDA_KDA_PREP: 3, the
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=2, opt-in since
+// session 10: gdn_chunk_prep2.cuh, the same workspace with three blocks per SM), as does KDA (KDA_CUDA_KDA_PREP: 3, the
 // default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it without the split, 0.61 ms).
 // Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
@@ -29,6 +30,7 @@
 #include "delta_chunk_scan4.cuh"
 #include "delta_chunk_scan5.cuh"
 #include "gdn_chunk_prep.cuh"
+#include "gdn_chunk_prep2.cuh"
 #include "kda_chunk_prep2.cuh"
 #include "delta_host.cuh"
 
@@ -60,8 +62,26 @@ void launch_gdn_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// KDA_CUDA_GDN_PREP=2 (opt-in, session 10): gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh: the same workspace and
+// values, 69 KB of shared memory and <= 80 registers for three blocks per SM; the largest carveout for them).
+template <int KP, typename T16>
+void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = GdnPrep2Smem<KP>::bytes;
+  auto kern = gdn_chunk_prep2_kernel<KP, T16>;
+  allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
+  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// version 2: gdn_chunk_prep2_kernel; else (1, the default) gdn_chunk_prep_kernel (0: retired, refused by
+// chunk_prep_dispatch).
 template <int KP>
-void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
+  if (version == 2) {
+    if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
+    else launch_gdn_prep2_t<KP, __half>(p, max_chunks, st);
+    return;
+  }
   if (p.in_dtype == kBF16) launch_gdn_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
   else launch_gdn_prep_t<KP, __half>(p, max_chunks, st);
 }
@@ -143,7 +163,7 @@ template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
-    launch_gdn_prep<KP>(p, max_chunks, st);
+    launch_gdn_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_GDN_PREP", 1));
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
     launch_kda_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_KDA_PREP", 3));
   } else {
