@@ -370,7 +370,8 @@ def test_public_api_captures_in_cuda_graphs(family, part):
 # and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape kernels, other shapes
 # the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says; default hints). _l1: KDA_CUDA_DEC_LEAN=1
 # (session 10: the stage-1 K = V = 128 kernels with fewer instructions per item, every cfg; other shapes ignore it);
-# _l2: KDA_CUDA_DEC_LEAN=2 (the same, 10 blocks per SM for fp32 states; 2-byte states run _l1's kernels).
+# _l2: KDA_CUDA_DEC_LEAN=2 (the same with more blocks per SM: fp32 states 10, K-first 2-byte states 9; V-first 2-byte
+# states run _l1's kernels).
 DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
                 + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage1_h2", "cfg0_stage1_h3"]
                 + [f"cfg{c}_stage1_f1" for c in (1, 2, 3)]

@@ -107,9 +107,9 @@ SWEEP7_SMALL = 4
 # one reduction round). s1_h1: evict-first loads (session 7's best bf16 row, within noise of h2).
 SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 # session 10: KDA_CUDA_DEC_LEAN=1 (l1: the stage-1 K = V = 128 kernels with fewer instructions per item) and =2 (l2:
-# the same with 10 blocks per SM for fp32 states) against the default kernels (s1), then LEAN with other cfgs (c0-c3:
-# which tiling suits it; the defaults are cfg 2 / 1 / 0 / 0 for K-first fp32 / K-first bf16 / V-first fp32 / V-first
-# bf16). B < 256 gets the first SWEEP7_SMALL rows.
+# the same with more blocks per SM: fp32 10, K-first bf16 9) against the default kernels (s1), then LEAN with other
+# cfgs (c0-c3: which tiling suits it; the defaults are cfg 2 / 1 / 0 / 0 for K-first fp32 / K-first bf16 / V-first
+# fp32 / V-first bf16). B < 256 gets the first SWEEP7_SMALL rows.
 SWEEP10 = [_v7(n) for n in ("s1", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_c1")]
 
 

@@ -50,22 +50,23 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStrea
 #ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
 // var (DecChoice::var): kDecVarDefault: the default hints of the state dtype, compiled in; at stage 1 only (the
 // default stage), kDecVarRuntimeHint: hints read from FwdParams::dec_flags (session 7's flag tests), kDecVarFuse: FUSE
-// (cfg 1-3), kDecVarLean: LEAN (any cfg; the default hints), kDecVarLean10: LEAN with 10 blocks per SM (48
-// registers) for fp32 states, plain LEAN for 2-byte states (they spill 76-208 bytes at 48 registers).
+// (cfg 1-3), kDecVarLean: LEAN (any cfg; the default hints), kDecVarLeanOcc: LEAN with dec_lean_minb blocks per SM
+// (fp32 10, K-first 2-byte 9; V-first 2-byte states run kDecVarLean's kernels).
 template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStream_t st) {
   constexpr int DH = dec_default_hint(static_cast<int>(sizeof(S)));
-  if constexpr (sizeof(S) == 4) {
-    if (stage == 1 && var == kDecVarLean10) {
+  constexpr int MB = dec_lean_minb(VF, static_cast<int>(sizeof(S)));
+  if constexpr (MB != 0) {
+    if (stage == 1 && var == kDecVarLeanOcc) {
       switch (cfg) {
-        case 0: return launch_dec_one<PC, VF, S, 0, 128, 1, DH, false, true, 10>(p, st);
-        case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, DH, false, true, 10>(p, st);
-        case 2: return launch_dec_one<PC, VF, S, 2, 128, 1, DH, false, true, 10>(p, st);
-        default: return launch_dec_one<PC, VF, S, 3, 128, 1, DH, false, true, 10>(p, st);
+        case 0: return launch_dec_one<PC, VF, S, 0, 128, 1, DH, false, true, MB>(p, st);
+        case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, DH, false, true, MB>(p, st);
+        case 2: return launch_dec_one<PC, VF, S, 2, 128, 1, DH, false, true, MB>(p, st);
+        default: return launch_dec_one<PC, VF, S, 3, 128, 1, DH, false, true, MB>(p, st);
       }
     }
   }
-  if (stage == 1 && (var == kDecVarLean || var == kDecVarLean10)) {
+  if (stage == 1 && (var == kDecVarLean || var == kDecVarLeanOcc)) {
     switch (cfg) {
       case 0: return launch_dec_one<PC, VF, S, 0, 128, 1, DH, false, true>(p, st);
       case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, DH, false, true>(p, st);
@@ -133,7 +134,7 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
   // LEAN indexes items with 32-bit unsigned math (at most 128 / 4 = 32 slices per head)
-  const bool lean = c.var == kDecVarLean || c.var == kDecVarLean10;
+  const bool lean = c.var == kDecVarLean || c.var == kDecVarLeanOcc;
   if (lean && static_cast<int64_t>(p.N) * p.HV * 32 >= (int64_t{1} << 31)) c.var = kDecVarDefault;
   d.dec_flags = c.flags;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {

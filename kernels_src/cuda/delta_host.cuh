@@ -171,8 +171,9 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // kernel: FUSE spilled there). KDA_CUDA_DEC_LEAN=1 (session 10, default off; overrides KDA_CUDA_DEC_FUSE and
 // KDA_CUDA_DEC_HINT): the stage-1 K = V = 128 kernels with LEAN (fewer instructions per item: 32-bit item indices,
 // KDA gate exps once per row before the state arrives, reduce-scatter of o; see delta_decode_kernel), every cfg;
-// KDA_CUDA_DEC_LEAN=2: the same with 10 blocks per SM (at most 48 registers) for fp32 states (2-byte states: as 1).
-constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLean10 = 4;
+// KDA_CUDA_DEC_LEAN=2: the same with more blocks per SM (dec_lean_minb: fp32 states 10, K-first 2-byte states 9;
+// V-first 2-byte states as =1).
+constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4;
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
@@ -196,7 +197,7 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256) : dec_default_hint(esize);
   const int lean = env_int("KDA_CUDA_DEC_LEAN", 0);
   c.var = lean == 1                              ? kDecVarLean
-          : lean == 2                            ? kDecVarLean10
+          : lean == 2                            ? kDecVarLeanOcc
           : env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse
           : hint >= 0                            ? kDecVarRuntimeHint
                                                  : kDecVarDefault;

@@ -491,6 +491,11 @@ __device__ __forceinline__ void dec_tile_io(float (&s)[DecGeo<VF, S, CW, WK, KMA
 // STAGE: 0 = state tile in registers; 1 = state tile copied into shared memory with cp.async (no registers held
 // while its bytes are in flight) and streamed from there; 2 = as 1 with two items per warp group, both items'
 // copies issued up front (twice the bytes in flight per warp).
+// KDA_CUDA_DEC_LEAN=2: blocks per SM of the LEAN kernels (0: as LEAN=1, 8). fp32 states 10 (at most 48 registers; the
+// fp32 defaults spill 0-4 bytes there), K-first 2-byte states 9 (56 registers; cfg 1, the default, spills nothing),
+// V-first 2-byte states 8 (cfg 0, the default at large batches, spills 104 bytes at 56 registers).
+__host__ __device__ constexpr int dec_lean_minb(bool vf, int esize) { return esize == 4 ? 10 : vf ? 0 : 9; }
+
 template <bool VF, typename S, int CW, int WK, int STAGE>
 struct DecBounds {
   using G = DecGeo<VF, S, CW, WK, 128>;
@@ -568,8 +573,8 @@ __device__ __forceinline__ void dec_rs_sum(float (&x)[TC], int lane, int& own) {
 // warp (RW / 32 per lane instead of TR, the rows' values exchanged through shared memory; bit-identical) and before
 // the cp.async wait; o reduced by a reduce-scatter (dec_rs_sum) and stored by every lane of the first warp, one
 // column each, instead of TC log2(LK) shuffles and TC scalar stores by the kg == 0 lanes.
-// MINB: blocks per SM for __launch_bounds__ (0: DecBounds' default, 8 at stage 1; KDA_CUDA_DEC_LEAN=2 runs the
-// fp32-state LEAN kernels with 10, i.e. at most 48 registers: no spill for the fp32 defaults, 2-byte states spill).
+// MINB: blocks per SM for __launch_bounds__ (0: DecBounds' default, 8 at stage 1; KDA_CUDA_DEC_LEAN=2 runs the LEAN
+// kernels with dec_lean_minb blocks per SM).
 template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE, bool LEAN = false,
           int MINB = 0>
 __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
@@ -663,10 +668,10 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
       const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
       if constexpr (full) {  // every chunk is whole: one test per item, not per chunk
-        if (live && LEAN) {  // one 64-bit base address, constant chunk strides (immediate offsets)
+        if (live && LEAN) {  // one 64-bit base address, constant chunk strides (K = V = FIX: immediate offsets)
           const S* s0 = src + chunk_off(m.col0, 0);
 #pragma unroll
-          for (int c = 0; c < NCH; ++c) cp_async16(&stage[warp][it][c][lane], s0 + c * (VF ? FIX : FIX));
+          for (int c = 0; c < NCH; ++c) cp_async16(&stage[warp][it][c][lane], s0 + c * FIX);
         } else if (live) {
 #pragma unroll
           for (int c = 0; c < NCH; ++c) {
