@@ -368,10 +368,14 @@ def test_public_api_captures_in_cuda_graphs(family, part):
 # that read the hints at run time; _h0: none; _h11: every hint: evict-first loads, streaming stores, L2::256B
 # prefetch), configurations 1-3 at stage 1 with KDA_CUDA_DEC_FUSE=1 (_f1: o from pass 1; cfg 0 has no fused kernel),
 # and the general kernel (KDA_CUDA_DECODE=0) for comparison; K = V = 128 takes the fixed-shape kernels, other shapes
-# the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says; default hints).
+# the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says; default hints). _l1: KDA_CUDA_DEC_LEAN=1
+# (session 10: the stage-1 K = V = 128 kernels with fewer instructions per item, every cfg; other shapes ignore it);
+# _l2: KDA_CUDA_DEC_LEAN=2 (the same with more blocks per SM: fp32 states 10, K-first 2-byte states 9; V-first 2-byte
+# states run _l1's kernels).
 DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
                 + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage1_h2", "cfg0_stage1_h3"]
-                + [f"cfg{c}_stage1_f1" for c in (1, 2, 3)])
+                + [f"cfg{c}_stage1_f1" for c in (1, 2, 3)]
+                + [f"cfg{c}_stage1_l1" for c in range(4)] + [f"cfg{c}_stage1_l2" for c in (0, 1, 2)])
 
 
 def _dec_env(monkeypatch, variant):
@@ -382,7 +386,7 @@ def _dec_env(monkeypatch, variant):
     cfg, stage, *extra = variant.split("_")
     monkeypatch.setenv("KDA_CUDA_DEC_CFG", cfg[3:])
     monkeypatch.setenv("KDA_CUDA_DEC_STAGE", stage[5:])
-    knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE"}
+    knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE", "l": "KDA_CUDA_DEC_LEAN"}
     for name in knobs.values():
         monkeypatch.delenv(name, raising=False)
     for part in extra:
@@ -482,6 +486,55 @@ def test_decode_serve_nt_indices(family, v_first, pool_dtype, variant, monkeypat
             written.add(dst)
     untouched = [r for r in range(P) if r not in written]
     assert written == {0, 3, 8, 10} and torch.equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("lean", ["1", "2"], ids=["lean1", "lean2"])
+@pytest.mark.parametrize("cfg", [None, 0, 1, 2, 3], ids=["cfgdefault", "cfg0", "cfg1", "cfg2", "cfg3"])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["in_fp32", "in_bf16"])
+@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_decode_lean_vs_default(family, pool_dtype, v_first, in_dtype, cfg, lean, monkeypatch):
+    # KDA_CUDA_DEC_LEAN=1 / 2 against the default kernel of the same cfg (stage 1) on the same inputs, and both against
+    # the float64 reference: B = 300 with skipped slots (partial last block), HV = 6 value heads over H = 3 q/k
+    # heads (GVA; HV not a power of two: the 32-bit item division), extreme gates (e^g underflows). The state
+    # update is the same arithmetic (the gate exps are computed once per row instead of once per lane, same expf),
+    # so the pool rows agree to rounding; o is reduced in another order (fp32 rounding only).
+    B, H, HV, K, V = 300, 3, 6, 128, 128
+    q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=in_dtype, seed=77,
+                                   extreme=True, gate_div=0.3)
+    P = B + 9
+    _, pool = _pool(P, HV, K, V, pool_dtype, v_first, seed=78)
+    gen = torch.Generator().manual_seed(79)
+    rows = torch.randperm(P, generator=gen)[:B]
+    rows[5::11] = -1
+    rows_d = rows.to(DEV)
+    before = _kfirst(pool, v_first).clone()
+    scale = K ** -0.5
+    serve = getattr(OPS, f"{family}_recurrent_serve")
+    monkeypatch.setenv("KDA_CUDA_DECODE", "1")
+    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", "1")
+    for name in ("KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE", "KDA_CUDA_DEC_CFG"):
+        monkeypatch.delenv(name, raising=False)
+    if cfg is not None:
+        monkeypatch.setenv("KDA_CUDA_DEC_CFG", str(cfg))
+    outs = {}
+    for knob in ("0", lean):
+        monkeypatch.setenv("KDA_CUDA_DEC_LEAN", knob)
+        p = pool.clone()
+        o = serve(q, k, v, g, beta, scale, p, rows_d, None, None, v_first)
+        torch.cuda.synchronize()
+        outs[knob] = (o.float().cpu(), _kfirst(p, v_first))
+    (o0, s0), (o1, s1) = outs["0"], outs[lean]
+    active = rows >= 0
+    assert torch.all(o1[~active] == 0)
+    assert_close("o lean vs default", o0, o1, 1e-6 if in_dtype == torch.float32 else 4e-3)
+    assert_close("pool lean vs default", s0, s1, 1e-6 if pool_dtype == torch.float32 else 1e-3)
+    untouched = [r for r in range(P) if r not in set(rows[active].tolist())]
+    assert torch.equal(s1[untouched], before[untouched])
+    ro, rs = ref(q, k, v, g, beta, scale, before[rows.clamp(min=0)])
+    assert_close("o lean vs reference", ro * active.view(B, 1, 1, 1), o1, 0.005 if in_dtype != torch.float32 else 1e-5)
+    assert_close("pool lean vs reference", rs[active], s1[rows[active]], 1e-5 if pool_dtype == torch.float32 else 0.005)
 
 
 @pytest.mark.parametrize("variant", DEC_VARIANTS)

@@ -10,6 +10,9 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session8 --decode-only --sweep8 --batches 256
         # decode only, plus session 8's A/B rows in the same run (SWEEP8 below: compiled-in hints vs the kernels with
         # session 7's run-time hint tests, KDA_CUDA_DEC_FUSE=1) and the same-size copy ceilings
+    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session10 --decode-only --sweep10 --batches 256,64
+        # decode only, plus session 10's A/B rows in the same run (SWEEP10 below: KDA_CUDA_DEC_LEAN=1 against the
+        # default kernels, LEAN with each cfg) and the same-size copy ceilings
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -77,15 +80,17 @@ def timed(fn, graphs=True, eager=True, rep=None):
 
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
-DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE")
+DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE",
+           "KDA_CUDA_DEC_LEAN")
 
 
 def _v7(name):
     """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default); 'f1' ->
-    KDA_CUDA_DEC_FUSE=1."""
+    KDA_CUDA_DEC_FUSE=1; 'l1' -> KDA_CUDA_DEC_LEAN=1."""
     env = {}
     for part in name.split("_"):
-        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG", "f": "KDA_CUDA_DEC_FUSE"}
+        key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG", "f": "KDA_CUDA_DEC_FUSE",
+               "l": "KDA_CUDA_DEC_LEAN"}
         env[key[part[0]]] = part[1:]
     return name, env
 
@@ -101,6 +106,11 @@ SWEEP7_SMALL = 4
 # ones (each A/B against s1, the compiled-in default, in the same run). s1_f1: KDA_CUDA_DEC_FUSE=1 (o from pass 1,
 # one reduction round). s1_h1: evict-first loads (session 7's best bf16 row, within noise of h2).
 SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
+# session 10: KDA_CUDA_DEC_LEAN=1 (l1: the stage-1 K = V = 128 kernels with fewer instructions per item) and =2 (l2:
+# the same with more blocks per SM: fp32 10, K-first bf16 9) against the default kernels (s1), then LEAN with other
+# cfgs (c0-c3: which tiling suits it; the defaults are cfg 2 / 1 / 0 / 0 for K-first fp32 / K-first bf16 / V-first
+# fp32 / V-first bf16). B < 256 gets the first SWEEP7_SMALL rows.
+SWEEP10 = [_v7(n) for n in ("s1", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_c1")]
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -117,6 +127,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep7", action="store_true")
     ap.add_argument("--sweep8", action="store_true", help="session 8's A/B rows (SWEEP8)")
+    ap.add_argument("--sweep10", action="store_true", help="session 10's A/B rows (SWEEP10: KDA_CUDA_DEC_LEAN)")
     ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
     ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
     ap.add_argument("--batches", default="1,64,256")
@@ -148,7 +159,7 @@ def main():
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
     rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
     del x, y
-    sweep_ab = SWEEP8 if args.sweep8 else SWEEP7 if args.sweep7 else None
+    sweep_ab = SWEEP10 if args.sweep10 else SWEEP8 if args.sweep8 else SWEEP7 if args.sweep7 else None
     if sweep_ab:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
         for dt, nm in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             x = torch.randn(256 * 32 * 128 * 128, device=DEV).to(dt)
@@ -247,6 +258,22 @@ def main():
                                   eager=False, rep=args.sweep_rep)
                     rec(name=f"{fam}_decode_sweep", impl="serve_bf16_pool:default_again", B=B, graph_ms=round(gr, 5),
                         graph_TBps=round(bf16_bytes / gr / 1e9, 3))
+                    if args.sweep10:  # LEAN again (drift check of the A/B)
+                        for lv in ("2", "1"):
+                            set_env({"KDA_CUDA_DEC_LEAN": lv})
+                            _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False,
+                                          rep=args.sweep_rep)
+                            rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:s1_l{lv}_again", B=B,
+                                graph_ms=round(gr, 5), graph_TBps=round(fp32_bytes / gr / 1e9, 3))
+                        _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool16, idx, None, None, False),
+                                      eager=False, rep=args.sweep_rep)
+                        rec(name=f"{fam}_decode_sweep", impl="serve_bf16_pool:s1_l1_again", B=B,
+                            graph_ms=round(gr, 5), graph_TBps=round(bf16_bytes / gr / 1e9, 3))
+                        _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, poolvf16, idx, None, None, True),
+                                      eager=False, rep=args.sweep_rep)
+                        rec(name=f"{fam}_decode_sweep", impl="serve_bf16_pool_vfirst:s1_l1_again", B=B,
+                            graph_ms=round(gr, 5), graph_TBps=round(bf16_bytes / gr / 1e9, 3))
+                        set_env({})
             del h0, pool32, pool16, poolvf, poolvf16
             torch.cuda.empty_cache()
 

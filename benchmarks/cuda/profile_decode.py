@@ -3,11 +3,12 @@
     ncu --set full -k regex:delta_decode -s 1 -c 1 python3 benchmarks/cuda/profile_decode.py --op kda_serve_bf16
 
 --op: {kda,gdn}_{core,serve_fp32,serve_bf16}. The decode knobs (KDA_CUDA_DEC_CFG, KDA_CUDA_DEC_STAGE,
-KDA_CUDA_DEC_HINT (the kernels with session 7's run-time hint tests), KDA_CUDA_DEC_FUSE, KDA_CUDA_DECODE) apply as set in
-the environment, e.g. old vs new (two ncu runs):
+KDA_CUDA_DEC_HINT (the kernels with session 7's run-time hint tests), KDA_CUDA_DEC_FUSE, KDA_CUDA_DEC_LEAN,
+KDA_CUDA_DECODE) apply as set in the environment, e.g. old vs new (two ncu runs):
 
     ncu -k regex:delta_decode -s 1 -c 1 python3 benchmarks/cuda/profile_decode.py --op kda_serve_bf16 (default)
     KDA_CUDA_DEC_HINT=2 ncu ...   (bf16: session 7's default kernel; fp32: KDA_CUDA_DEC_HINT=0)
+    KDA_CUDA_DEC_LEAN=1 ncu ...   (session 10's kernels with fewer instructions per item; =2: more blocks per SM)
 """
 import argparse
 

@@ -168,8 +168,12 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // compiled-in default. KDA_CUDA_DEC_FUSE=1: the stage-1 K = V = 128 kernels with FUSE (o from pass 1, see
 // delta_decode_kernel; the default hints; KDA_CUDA_DEC_HINT is then ignored) for configurations 1-3 (several warps
 // per item: the K-first defaults; the one-warp cfg 0, the V-first default at large batches, keeps the default
-// kernel: FUSE spilled there).
-constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2;
+// kernel: FUSE spilled there). KDA_CUDA_DEC_LEAN=1 (session 10, default off; overrides KDA_CUDA_DEC_FUSE and
+// KDA_CUDA_DEC_HINT): the stage-1 K = V = 128 kernels with LEAN (fewer instructions per item: 32-bit item indices,
+// KDA gate exps once per row before the state arrives, reduce-scatter of o; see delta_decode_kernel), every cfg;
+// KDA_CUDA_DEC_LEAN=2: the same with more blocks per SM (dec_lean_minb: fp32 states 10, K-first 2-byte states 9;
+// V-first 2-byte states as =1).
+constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4;
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
@@ -191,7 +195,12 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
   const int hint = env_int("KDA_CUDA_DEC_HINT", -1);
   c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256) : dec_default_hint(esize);
-  c.var = env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse : hint >= 0 ? kDecVarRuntimeHint : kDecVarDefault;
+  const int lean = env_int("KDA_CUDA_DEC_LEAN", 0);
+  c.var = lean == 1                              ? kDecVarLean
+          : lean == 2                            ? kDecVarLeanOcc
+          : env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse
+          : hint >= 0                            ? kDecVarRuntimeHint
+                                                 : kDecVarDefault;
   return c;
 }
 

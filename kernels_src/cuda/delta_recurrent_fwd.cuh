@@ -491,6 +491,11 @@ __device__ __forceinline__ void dec_tile_io(float (&s)[DecGeo<VF, S, CW, WK, KMA
 // STAGE: 0 = state tile in registers; 1 = state tile copied into shared memory with cp.async (no registers held
 // while its bytes are in flight) and streamed from there; 2 = as 1 with two items per warp group, both items'
 // copies issued up front (twice the bytes in flight per warp).
+// KDA_CUDA_DEC_LEAN=2: blocks per SM of the LEAN kernels (0: as LEAN=1, 8). fp32 states 10 (at most 48 registers; the
+// fp32 defaults spill 0-4 bytes there), K-first 2-byte states 9 (56 registers; cfg 1, the default, spills nothing),
+// V-first 2-byte states 8 (cfg 0, the default at large batches, spills 104 bytes at 56 registers).
+__host__ __device__ constexpr int dec_lean_minb(bool vf, int esize) { return esize == 4 ? 10 : vf ? 0 : 9; }
+
 template <bool VF, typename S, int CW, int WK, int STAGE>
 struct DecBounds {
   using G = DecGeo<VF, S, CW, WK, 128>;
@@ -527,21 +532,63 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// LEAN (KDA_CUDA_DEC_LEAN) helpers. Recursive-halving reduce-scatter over the LK lanes that share a lane's columns
+// (the kg bits of the lane index: xor masks 1 .. LK/2 for V-first, LV .. 16 for K-first): each round a lane keeps
+// half of its partial sums (the upper half when its mask bit is set), sends the other half to its partner and adds
+// the partner's half; once one value is left, the remaining rounds add plainly. Afterwards x[0 .. FC) hold the sums
+// over all LK lanes of columns own .. own + FC - 1 (FC = max(1, TC / LK)); TC + TC/2 + ... shuffles instead of
+// TC log2(LK). (Same sums, another fp32 addition order than G::ksum.)
+template <int M, int CNT, int TC>
+__device__ __forceinline__ void dec_rs_round(float (&x)[TC], int lane, int& own) {
+  if constexpr (CNT > 1) {
+    constexpr int HALF = CNT / 2;
+    const bool b = (lane & M) != 0;
+#pragma unroll
+    for (int j = 0; j < HALF; ++j) {
+      const float keep = b ? x[j + HALF] : x[j];
+      const float send = b ? x[j] : x[j + HALF];
+      x[j] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+    }
+    own += b ? HALF : 0;
+  } else {
+    x[0] += __shfl_xor_sync(0xffffffffu, x[0], M);
+  }
+}
+template <bool VF, int LV, int LK, int TC, int R = 0, int CNT = TC>
+__device__ __forceinline__ void dec_rs_sum(float (&x)[TC], int lane, int& own) {
+  if constexpr ((1 << R) < LK) {
+    dec_rs_round<VF ? (1 << R) : (LV << R), CNT, TC>(x, lane, own);
+    dec_rs_sum<VF, LV, LK, TC, R + 1, (CNT > 1 ? CNT / 2 : 1)>(x, lane, own);
+  }
+}
+
 // One token per sequence (T == 1, no cu_seqlens; the host checks). FIX = 128: K = V = 128 and every access aligned
 // (the host checks), no ragged-edge code; FIX = 0: any K <= 128 and V. The new state is stored chunk by chunk
 // during the update sweep. HINT: memory hints (kDec* above, compile time; kDecHintRuntime: FwdParams::dec_flags).
 // FUSE (KDA_CUDA_DEC_FUSE): o from the old state in pass 1, o = scale (S^T (d * q) + (k . q) beta (v - p)), so that
 // the reductions of p and o share one round of shuffles and one barrier, and pass 2 only updates and stores S
 // (mathematically the same o; fp32 rounding differs).
-template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE>
+// LEAN (KDA_CUDA_DEC_LEAN=1; FIX = 128, STAGE 1, not FUSE): fewer instructions per item and a shorter path after the
+// state arrives: 32-bit item indices with a compile-time slice count; KDA's gate exps computed once per row of the
+// warp (RW / 32 per lane instead of TR, the rows' values exchanged through shared memory; bit-identical) and before
+// the cp.async wait; o reduced by a reduce-scatter (dec_rs_sum) and stored by every lane of the first warp, one
+// column each, instead of TC log2(LK) shuffles and TC scalar stores by the kg == 0 lanes.
+// MINB: blocks per SM for __launch_bounds__ (0: DecBounds' default, 8 at stage 1; KDA_CUDA_DEC_LEAN=2 runs the LEAN
+// kernels with dec_lean_minb blocks per SM).
+template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE, bool LEAN = false,
+          int MINB = 0>
 __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
-                                  DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
+                                  MINB ? MINB : DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
     delta_decode_kernel(const FwdParams p) {
   constexpr int KMAX = 128;
   using G = DecGeo<VF, S, CW, WK, KMAX>;
   constexpr int TR = G::TR, TC = G::TC, E = G::E, WI = G::WI, NW = G::NW;
   constexpr int IPW = STAGE == 2 ? 2 : 1;  // items per warp group
   constexpr int NCH = VF ? TC : TR;        // 16-byte state chunks per lane: rows (K-first) or columns (V-first)
+  static_assert(!LEAN || (FIX == 128 && STAGE == 1 && !FUSE && HINT != kDecHintRuntime), "LEAN variant");
+  constexpr int RW = G::RW;                 // rows per warp (32, 64 or 128)
+  constexpr int GPL = RW / 32;              // LEAN: gate rows per lane
+  __shared__ __align__(16) float gexp[LEAN && PC ? NW : 1][LEAN && PC ? RW : 1];  // LEAN: e^g of the warp's rows
   __shared__ float red_p[IPW][WI][WK][CW];  // per item: a warp may write item 1's partials while another still
                                            // reads item 0's (the second barrier is arrive-only for warps > 0)
   __shared__ float red_o[WI][WK][CW];
@@ -569,12 +616,25 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   };
   auto get_item = [&](int it) {
     Item m;
-    m.item = (static_cast<int64_t>(blockIdx.x) * IPW + it) * WI + wi;
-    const int64_t itc = m.item < total ? m.item : 0;
-    const int sl = static_cast<int>(itc % p.slices);
-    const int64_t nh = itc / p.slices;
-    m.hv = static_cast<int>(nh % p.HV);
-    m.n = static_cast<int>(nh / p.HV);
+    int sl;
+    if constexpr (LEAN) {  // 32-bit (the host checks N * HV * slices < 2^31), slices = 128 / CW at compile time
+      constexpr unsigned SL = 128 / CW;
+      const unsigned it32 = blockIdx.x * static_cast<unsigned>(WI) + static_cast<unsigned>(wi);
+      m.item = it32;
+      const unsigned itc = m.item < total ? it32 : 0u;
+      sl = static_cast<int>(itc % SL);
+      const unsigned nh = itc / SL;
+      const unsigned n32 = nh / static_cast<unsigned>(p.HV);
+      m.n = static_cast<int>(n32);
+      m.hv = static_cast<int>(nh - n32 * static_cast<unsigned>(p.HV));
+    } else {
+      m.item = (static_cast<int64_t>(blockIdx.x) * IPW + it) * WI + wi;
+      const int64_t itc = m.item < total ? m.item : 0;
+      sl = static_cast<int>(itc % p.slices);
+      const int64_t nh = itc / p.slices;
+      m.hv = static_cast<int>(nh % p.HV);
+      m.n = static_cast<int>(nh / p.HV);
+    }
     m.col0 = sl * CW + vg * TC;
     m.in_row = m.out_row = m.n;
     if (p.serve && m.item < total) {
@@ -608,7 +668,11 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
       const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
       if constexpr (full) {  // every chunk is whole: one test per item, not per chunk
-        if (live) {
+        if (live && LEAN) {  // one 64-bit base address, constant chunk strides (K = V = FIX: immediate offsets)
+          const S* s0 = src + chunk_off(m.col0, 0);
+#pragma unroll
+          for (int c = 0; c < NCH; ++c) cp_async16(&stage[warp][it][c][lane], s0 + c * FIX);
+        } else if (live) {
 #pragma unroll
           for (int c = 0; c < NCH; ++c) {
             if (flags & (kDecEvictFirstLoad | kDecPrefetch256))
@@ -673,25 +737,66 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     float qv[TR], kv[TR], dv[TR], vv[TC];
     dec_load_in<TR>(p.q, (tok * H + h) * K + row0, dt, nrow, tvec, qv, 0.f);
     dec_load_in<TR>(p.k, (tok * H + h) * K + row0, dt, nrow, tvec, kv, 0.f);
-    if (PC) {
+    float ge[GPL];  // LEAN, KDA: this lane's GPL gate values of the warp's RW rows
+    if constexpr (LEAN && PC) {
+      const float* gp = p.g + (tok * HV + hv) * K + wk * RW + lane * GPL;  // one vector load per lane
+      if constexpr (GPL == 4) {
+        const float4 f = *reinterpret_cast<const float4*>(gp);
+        ge[0] = f.x; ge[GPL > 1 ? 1 : 0] = f.y; ge[GPL > 2 ? 2 : 0] = f.z; ge[GPL > 3 ? 3 : 0] = f.w;
+      } else if constexpr (GPL == 2) {
+        const float2 f = *reinterpret_cast<const float2*>(gp);
+        ge[0] = f.x; ge[GPL > 1 ? 1 : 0] = f.y;
+      } else {
+        ge[0] = *gp;
+      }
+    } else if (PC) {
       dec_load_in<TR>(p.g, (tok * HV + hv) * K + row0, kF32, nrow, tvec, dv, 0.f);
     } else {
       dv[0] = p.g[tok * HV + hv];
     }
     dec_load_in<TC>(p.v, (tok * HV + hv) * V + col0, dt, ncol, vvec, vv, 0.f);
     const float beta = p.beta[tok * HV + hv];
+    if constexpr (LEAN) {  // the gate's exps before the state copies arrive
+      if constexpr (PC) {
+        float* gw = &gexp[warp][0];
+        if constexpr (GPL == 4) {
+          *reinterpret_cast<float4*>(gw + 4 * lane) = make_float4(expf(ge[0]), expf(ge[GPL > 1 ? 1 : 0]),
+                                                                  expf(ge[GPL > 2 ? 2 : 0]), expf(ge[GPL > 3 ? 3 : 0]));
+        } else if constexpr (GPL == 2) {
+          *reinterpret_cast<float2*>(gw + 2 * lane) = make_float2(expf(ge[0]), expf(ge[GPL > 1 ? 1 : 0]));
+        } else {
+          gw[lane] = expf(ge[0]);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i4 = 0; i4 < TR / 4; ++i4) {
+          const float4 f = *reinterpret_cast<const float4*>(gw + kg * TR + 4 * i4);
+          dv[4 * i4] = f.x; dv[4 * i4 + 1] = f.y; dv[4 * i4 + 2] = f.z; dv[4 * i4 + 3] = f.w;
+        }
+        if constexpr (TR % 4 != 0) {
+#pragma unroll
+          for (int i = TR - TR % 4; i < TR; ++i) dv[i] = gw[kg * TR + i];
+        }
+      } else {
+        const float d0 = expf(dv[0]);
+#pragma unroll
+        for (int i = 0; i < TR; ++i) dv[i] = d0;
+      }
+    }
     if constexpr (STAGE != 0) {  // each lane reads back only the chunks it copied itself
       if (IPW - 1 - it == 1) cp_async_wait<1>();
       else cp_async_wait<0>();
     }
 
-    if (PC) {
+    if constexpr (!LEAN) {
+      if (PC) {
 #pragma unroll
-      for (int i = 0; i < TR; ++i) dv[i] = expf(dv[i]);
-    } else {
-      const float d0 = expf(dv[0]);
+        for (int i = 0; i < TR; ++i) dv[i] = expf(dv[i]);
+      } else {
+        const float d0 = expf(dv[0]);
 #pragma unroll
-      for (int i = 0; i < TR; ++i) dv[i] = d0;
+        for (int i = 0; i < TR; ++i) dv[i] = d0;
+      }
     }
     // chunk c as fp32 values
     auto get_chunk = [&](int c, float (&x)[E]) {
@@ -815,7 +920,34 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
         dec_store_state<S, E>(d, x, chunk_n(col0, c), vec, cs);
       }
     }
-    if constexpr (!FUSE) {
+    if constexpr (LEAN) {
+      // reduce-scatter over the warp's LK row lanes: this lane ends with FC whole-warp sums, columns own ..
+      constexpr int FC = TC >= G::LK ? TC / G::LK : 1;
+      int own = 0;
+      dec_rs_sum<VF, G::LV, G::LK, TC>(ov, lane, own);
+      if constexpr (WK > 1) {  // (lanes holding the same column write the same value)
+        float(*ro)[CW] = red_o[wi];
+#pragma unroll
+        for (int t = 0; t < FC; ++t) ro[wk][vg * TC + own + t] = ov[t];
+        if (wk == 0) {
+          named_sync<1>(wi, 32 * WK);
+#pragma unroll
+          for (int t = 0; t < FC; ++t) {
+            float acc = 0.f;
+#pragma unroll
+            for (int w = 0; w < WK; ++w) acc += ro[w][vg * TC + own + t];
+            ov[t] = acc;
+          }
+        } else {
+          named_arrive<1>(wi, 32 * WK);
+        }
+      }
+      if (wk == 0) {  // every lane of the first warp stores its FC columns (K = V = 128: all exist)
+        const int64_t ob = (tok * HV + hv) * V + col0 + own;
+#pragma unroll
+        for (int t = 0; t < FC; ++t) store_in(p.o, ob + t, dt, p.scale * ov[t]);
+      }
+    } else if constexpr (!FUSE) {
 #pragma unroll
       for (int j = 0; j < TC; ++j) ov[j] = G::ksum(ov[j]);
       if constexpr (WK > 1) {
