@@ -57,7 +57,8 @@ KNOB_SWEEPS = [
      "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs (0, the generic prep, and 1, "
      "kda_chunk_prep v1: retired in session 9, refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
-     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs"),
+     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs, 7 "
+     "state_fwd3 tf32 narrow: 16 value columns per block, twice the blocks, two per SM (5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
