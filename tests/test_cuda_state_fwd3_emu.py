@@ -4,13 +4,15 @@ when the kernel issues each copy, so that a copy issued into a buffer still in u
 fragment reads of U = u - w S (w row-major) and of S <- Diag(gl) S + (K Eend)^T U (K Eend read transposed), the
 accumulator layouts and the stores of hs and U, lane by lane in float64. Checks that the result is the recurrence
 of DESIGN.md section 3 and that the fragment reads of every warp are free of shared-memory bank conflicts. Runs
-without a GPU; tests/test_cuda_chunk_bwd.py checks the CUDA code itself.
+without a GPU; tests/test_cuda_chunk_bwd.py checks the CUDA code itself. Both instances: the default (BV = 32 value
+columns per block, double buffers) and the narrow one of KDA_CUDA_CHUNK_BWD_STATE_FWD=7 (BV = 16, NTW = 1 tile of 8
+columns per warp, single buffers, w(c + 1) issued after chunk c's U, K Eend(c) at the start of chunk c).
 """
 import numpy as np
 import pytest
 
-CH, KP, VS = 64, 128, 32
-LDW, LDE, LDH = KP + 4, KP + 8, VS + 8
+CH, KP = 64, 128
+LDW, LDE = KP + 4, KP + 8
 LANES = np.arange(32)
 GQ, T4 = LANES >> 2, LANES & 3
 
@@ -36,12 +38,14 @@ def banks_ok(addrs):
     return all(len(set(addrs[(addrs % 32) == b])) <= 1 for b in range(32))
 
 
-def emulate(w, kend, gl, u, h0):
-    """w, kend [nc][CH][KP], gl [nc][KP], u [nc][CH][VS], h0 [KP][VS] -> hs [nc][KP][VS], U [nc][CH][VS]."""
+def emulate(w, kend, gl, u, h0, BV=32, DB=True):
+    """w, kend [nc][CH][KP], gl [nc][KP], u [nc][CH][BV], h0 [KP][BV] -> hs [nc][KP][BV], U [nc][CH][BV]."""
+    VS, LDH, NTW, NB = BV, BV + 8, BV // 16, 2 if DB else 1
     nc = w.shape[0]
-    wsm = np.full((2, CH * LDW), np.nan)
-    esm = np.full((2, CH * LDE), np.nan)
-    gsm = np.full((2, KP), np.nan)
+    wsm = np.full((NB, CH * LDW), np.nan)
+    esm = np.full((NB, CH * LDE), np.nan)
+    gsm = np.full((NB, KP), np.nan)
+    sel = (lambda c: c & 1) if DB else (lambda c: 0)
     hsm = np.zeros(KP * LDH)
     usm = np.full(CH * LDH, np.nan)
 
@@ -50,17 +54,17 @@ def emulate(w, kend, gl, u, h0):
             dst[t * ld:t * ld + KP] = src[t]
 
     def issue_w(c):
-        ktile(wsm[c & 1], w[c], LDW)
+        ktile(wsm[sel(c)], w[c], LDW)
 
     def issue_e(c):
-        ktile(esm[c & 1], kend[c], LDE)
-        gsm[c & 1] = gl[c]
+        ktile(esm[sel(c)], kend[c], LDE)
+        gsm[sel(c)] = gl[c]
 
     # hacc[warp][mt][nt] [32][4]: row 32 wi + 16 mt + gq + 8 (e >> 1), column 16 wc + 8 nt + 2 t4 + (e & 1)
     rows = lambda wi, mt, e: 32 * wi + 16 * mt + GQ + 8 * (e >> 1)
-    cols = lambda wc, nt, e: 16 * wc + 8 * nt + 2 * T4 + (e & 1)
+    cols = lambda wc, nt, e: (BV // 2) * wc + 8 * nt + 2 * T4 + (e & 1)
     hacc = {(wi, wc, mt, nt): np.stack([h0[rows(wi, mt, e), cols(wc, nt, e)] for e in range(4)], 1)
-            for wi in range(4) for wc in range(2) for mt in range(2) for nt in range(2)}
+            for wi in range(4) for wc in range(2) for mt in range(2) for nt in range(NTW)}
 
     def put_h():
         for (wi, wc, mt, nt), x in hacc.items():
@@ -72,50 +76,55 @@ def emulate(w, kend, gl, u, h0):
     U = np.zeros((nc, CH, VS))
     if nc > 0:
         issue_w(0)
-        issue_e(0)
-    if nc > 1:
+        if DB:
+            issue_e(0)
+    if nc > 1 and DB:
         issue_w(1)
     for c in range(nc):
-        wb, eb, gb = wsm[c & 1], esm[c & 1], gsm[c & 1]
-        if c + 1 < nc:
+        wb, eb, gb = wsm[sel(c)], esm[sel(c)], gsm[sel(c)]
+        if not DB:
+            issue_e(c)
+        elif c + 1 < nc:
             issue_e(c + 1)
         for (wi, wc, mt, nt), x in hacc.items():
             for e in range(4):
                 hs[c, rows(wi, mt, e), cols(wc, nt, e)] = x[:, e]
         for warp in range(8):  # U = u - w S
             wi, wc = warp & 3, warp >> 2
-            cw = 16 * wc
-            acc = [np.zeros((32, 4)) for _ in range(2)]
+            cw = (BV // 2) * wc
+            acc = [np.zeros((32, 4)) for _ in range(NTW)]
             for ks in range(KP // 8):
                 base = (16 * wi + GQ) * LDW + T4 + 8 * ks
                 idx = [base, base + 8 * LDW, base + 4, base + 8 * LDW + 4]
                 assert all(banks_ok(i) for i in idx)
                 a = np.stack([wb[i] for i in idx], 1)
-                for nt in range(2):
+                for nt in range(NTW):
                     hb = (8 * ks + T4) * LDH + cw + GQ + 8 * nt
                     assert banks_ok(hb) and banks_ok(hb + 4 * LDH)
                     b = np.stack([hsm[hb], hsm[hb + 4 * LDH]], 1)
                     acc[nt] = mma(acc[nt], a, b)
-            for nt in range(2):
+            for nt in range(NTW):
                 for e in range(4):
                     t = 16 * wi + GQ + 8 * (e >> 1)
                     col = cw + 8 * nt + 2 * T4 + (e & 1)
                     x = u[c, t, col] - acc[nt][:, e]
                     usm[t * LDH + col] = x
                     U[c, t, col] = x
-        if c + 2 < nc:
+        if DB and c + 2 < nc:
             issue_w(c + 2)
+        if not DB and c + 1 < nc:
+            issue_w(c + 1)
         for warp in range(8):  # S <- Diag(gl) S + (K Eend)^T U
             wi, wc = warp & 3, warp >> 2
-            cw = 16 * wc
+            cw = (BV // 2) * wc
             for mt in range(2):
-                for nt in range(2):
+                for nt in range(NTW):
                     x = hacc[(wi, wc, mt, nt)]
                     x[:, 0:2] *= gb[32 * wi + 16 * mt + GQ][:, None]
                     x[:, 2:4] *= gb[32 * wi + 16 * mt + GQ + 8][:, None]
             for ks in range(CH // 8):
                 b = []
-                for nt in range(2):
+                for nt in range(NTW):
                     i0 = (8 * ks + T4) * LDH + cw + 8 * nt + GQ
                     assert banks_ok(i0) and banks_ok(i0 + 4 * LDH)
                     b.append(np.stack([usm[i0], usm[i0 + 4 * LDH]], 1))
@@ -124,21 +133,23 @@ def emulate(w, kend, gl, u, h0):
                     idx = [er + 16 * mt, er + 16 * mt + 8, er + 4 * LDE + 16 * mt, er + 4 * LDE + 16 * mt + 8]
                     assert all(banks_ok(i) for i in idx)
                     a = np.stack([eb[i] for i in idx], 1)
-                    for nt in range(2):
+                    for nt in range(NTW):
                         hacc[(wi, wc, mt, nt)] = mma(hacc[(wi, wc, mt, nt)], a, b[nt])
         put_h()
     return hs, U
 
 
+@pytest.mark.parametrize("BV,DB", [(32, True), (16, False)], ids=["default", "narrow"])
 @pytest.mark.parametrize("nc", [0, 1, 2, 5])
-def test_state_fwd3_index_math(nc):
+def test_state_fwd3_index_math(nc, BV, DB):
+    VS = BV
     rng = np.random.default_rng(nc)
     w = rng.standard_normal((nc, CH, KP)) * 0.1
     kend = rng.standard_normal((nc, CH, KP)) * 0.1
     gl = rng.uniform(0.5, 1.0, (nc, KP))
     u = rng.standard_normal((nc, CH, VS))
     h0 = rng.standard_normal((KP, VS))
-    hs, U = emulate(w, kend, gl, u, h0)
+    hs, U = emulate(w, kend, gl, u, h0, BV, DB)
     S = h0.copy()
     for c in range(nc):
         assert np.allclose(hs[c], S, atol=1e-12), c

@@ -60,7 +60,8 @@ KNOB_SWEEPS = [
      "1 gdn_chunk_prep, the default for bf16/fp16 inputs, 2 gdn_chunk_prep2 (session 10: the same workspace, three "
      "blocks per SM, S5 in job pairs with ldmatrix) (0, the generic prep: retired in session 9, refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
-     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs"),
+     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs, 7 "
+     "state_fwd3 tf32 narrow: 16 value columns per block, twice the blocks, two per SM (5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs"),

@@ -96,7 +96,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
     // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
-    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs).
+    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
+    // 7 = state_fwd3 (tf32) narrow: 16 value columns per block (twice the blocks: 256 at the shape above for 132
+    // SMs), single-buffered operands, two blocks per SM (opt-in, session 10; 6 is left unused).
     // (Session 9 tried bulk-copy versions of both state scans, state_fwd4 / state_bwd4: slower -- 0.86 / 1.66 ms
     // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
@@ -205,7 +207,14 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
-  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
+  if (mode == 7 && p.in_dtype != kF32) {
+    // state_fwd3 narrow (KDA_CUDA_CHUNK_BWD_STATE_FWD=7): 16 columns per block, 87.5 KB, two blocks per SM
+    constexpr int bv = cb::kSf3NarrowBV;
+    auto kern = cb::state_fwd3_kernel<PC, false, bv, false>;
+    allow_dynamic_smem(kern, cb::kStateFwd3NarrowSmem, /*max_carveout=*/true);
+    const dim3 gnar(s.N, s.HV, (s.V + bv - 1) / bv);
+    kern<<<gnar, cb::kSf3Threads, cb::kStateFwd3NarrowSmem, st>>>(p);
+  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
     // (within kGradSmem, which every chunked backward checks the device for before its first stage)
     auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;

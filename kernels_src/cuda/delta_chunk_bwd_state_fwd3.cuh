@@ -34,18 +34,32 @@ namespace chunk_bwd {
 constexpr int kSf3Threads = 256;
 constexpr int kSf3LdW = KP + 4;  // w rows: A fragment (row gq, column t4) on bank 4 gq + t4
 constexpr int kSf3LdE = KP + 8;  // K Eend rows, read transposed: (row t4, column gq) on bank 8 t4 + gq
-constexpr int kSf3LdH = VS + 8;  // state and U tiles: B fragment (row t4, column gq) on bank 8 t4 + gq
+// State and U tiles of BV columns: rows of BV + 8 floats, B fragment (row t4, column gq) on bank (BV + 8) t4 + gq
+// mod 32 -- 8 t4 + gq at BV = 32, 24 t4 + gq (0, 24, 16, 8 + gq) at BV = 16: conflict-free either way.
+template <int BV>
+constexpr int sf3_ldh() { return BV + 8; }
 
-// shared memory, in floats (every offset a multiple of 4: 16-byte aligned)
-struct StateFwd3Smem {
-  static constexpr size_t w_off = 0;                               // 2 x [CH][kSf3LdW]
-  static constexpr size_t e_off = w_off + 2 * CH * kSf3LdW;        // 2 x [CH][kSf3LdE]
-  static constexpr size_t gl_off = e_off + 2 * CH * kSf3LdE;       // 2 x [KP]
-  static constexpr size_t h_off = gl_off + 2 * KP;                 // [KP][kSf3LdH]
-  static constexpr size_t u_off = h_off + KP * kSf3LdH;            // [CH][kSf3LdH]
-  static constexpr size_t bytes = (u_off + CH * kSf3LdH) * sizeof(float);
+// shared memory, in floats (every offset a multiple of 4: 16-byte aligned). BV: V columns per block (32: the
+// default; 16: KDA_CUDA_CHUNK_BWD_STATE_FWD=7); DB: w / K Eend / Gam_last double-buffered (NB = 2) or single (1).
+template <int BV, bool DB>
+struct StateFwd3SmemT {
+  static constexpr int NB = DB ? 2 : 1;
+  static constexpr int LDH = sf3_ldh<BV>();
+  static constexpr size_t w_off = 0;                               // NB x [CH][kSf3LdW]
+  static constexpr size_t e_off = w_off + NB * CH * kSf3LdW;       // NB x [CH][kSf3LdE]
+  static constexpr size_t gl_off = e_off + NB * CH * kSf3LdE;      // NB x [KP]
+  static constexpr size_t h_off = gl_off + NB * KP;                // [KP][LDH]
+  static constexpr size_t u_off = h_off + KP * LDH;                // [CH][LDH]
+  static constexpr size_t bytes = (u_off + CH * LDH) * sizeof(float);
 };
+using StateFwd3Smem = StateFwd3SmemT<VS, true>;
 constexpr size_t kStateFwd3Smem = StateFwd3Smem::bytes;  // 168,960 bytes
+// The narrow variant (KDA_CUDA_CHUNK_BWD_STATE_FWD=7): 16 columns per block, single buffers, 87,552 bytes, so that
+// two blocks (and their 1 KB reserves) fit in the H200's 228 KB per SM; 256 threads at <= 128 registers each.
+constexpr int kSf3NarrowBV = 16;
+constexpr size_t kStateFwd3NarrowSmem = StateFwd3SmemT<kSf3NarrowBV, false>::bytes;
+static_assert(kStateFwd3Smem == 168960 && kStateFwd3NarrowSmem == 87552, "state_fwd3 shared memory changed");
+static_assert(2 * (kStateFwd3NarrowSmem + 1024) <= 228 * 1024, "two narrow state_fwd3 blocks must fit per SM");
 
 // A padded CH x KP chunk tile (global row stride KP) into shared rows of stride LD.
 template <int LD>
@@ -82,19 +96,26 @@ __device__ __forceinline__ void sf3_mma(float* c, float* e, const Sf3A<PRECISE>&
   mma_tf32_raw(c, a.h[0], a.h[1], a.h[2], a.h[3], bh0, bh1);
 }
 
-template <bool PC, bool PRECISE>
-__global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
-  using S = StateFwd3Smem;
-  constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = kSf3LdH;
-  constexpr int NTW = 2;  // 8-column tiles per warp (16 columns)
+// BV = 32, DB (the default launch, one block per SM): as described at the top. BV = 16, !DB (the narrow one, two
+// blocks per SM): each warp owns 8 columns (NTW = 1), the grid has twice the blocks, and w, K Eend and Gam_last are
+// single-buffered: w(c + 1) is issued once chunk c's U is formed (every warp past its last read of w(c)), K Eend(c)
+// and Gam_last(c) at the start of chunk c (every warp past chunk c - 1's state update), so each has about half a
+// chunk step to land, and the SM's other block fills the wait. Every block reads the chunk's w and K Eend tiles
+// whole, so the narrow grid moves twice their L2 traffic.
+template <bool PC, bool PRECISE, int BV = VS, bool DB = true>
+__global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Params p) {
+  static_assert((BV == 32 && DB) || (BV == 16 && !DB), "state_fwd3: BV = 32 double-buffered or BV = 16 single");
+  using S = StateFwd3SmemT<BV, DB>;
+  constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = S::LDH;
+  constexpr int NTW = BV / 16;  // 8-column tiles per warp (BV / 2 columns)
   constexpr int MT = 2;   // 16-row tiles of the state per warp (32 rows)
   extern __shared__ __align__(16) float sm[];
   float* hsm = sm + S::h_off;
   float* Us = sm + S::u_off;
-  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
   const int gq = lane >> 2, t4 = lane & 3;
-  const int cw = 16 * wc;  // the warp's first column in the block's tile
+  const int cw = (BV / 2) * wc;  // the warp's first column in the block's tile
   const int K = p.K, V = p.V, HV = p.HV;
   const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
   const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
@@ -166,32 +187,44 @@ __global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
     }
   };
   auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
-  auto issue_w = [&](int c) { sf3_ktile<LDW>(sm + S::w_off + (c & 1) * CH * LDW, p.wc + tile(off + c)); };
+  auto bsel = [](int c) { return DB ? (c & 1) : 0; };  // the buffer of chunk c
+  auto issue_w = [&](int c) { sf3_ktile<LDW>(sm + S::w_off + bsel(c) * CH * LDW, p.wc + tile(off + c)); };
   auto issue_e = [&](int c) {
-    sf3_ktile<LDE>(sm + S::e_off + (c & 1) * CH * LDE, p.kendc + tile(off + c));
+    sf3_ktile<LDE>(sm + S::e_off + bsel(c) * CH * LDE, p.kendc + tile(off + c));
     if (tid < KP / 4)
-      cpa16(sm + S::gl_off + (c & 1) * KP + 4 * tid, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * tid);
+      cpa16(sm + S::gl_off + bsel(c) * KP + 4 * tid, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * tid);
   };
 
   put_h();
-  // groups in flight, oldest first: w(c), K Eend(c), w(c + 1) at the start of chunk c (empty groups past the end)
-  if (nc > 0) issue_w(0);
-  cpa_commit();
-  if (nc > 0) issue_e(0);
-  cpa_commit();
-  if (nc > 1) issue_w(1);
-  cpa_commit();
+  if constexpr (DB) {
+    // groups in flight, oldest first: w(c), K Eend(c), w(c + 1) at the start of chunk c (empty groups past the end)
+    if (nc > 0) issue_w(0);
+    cpa_commit();
+    if (nc > 0) issue_e(0);
+    cpa_commit();
+    if (nc > 1) issue_w(1);
+    cpa_commit();
+  } else {
+    // the one group in flight at the start of chunk c: w(c)
+    if (nc > 0) issue_w(0);
+    cpa_commit();
+  }
   float ucur[NTW][4] = {}, unext[NTW][4] = {};
   if (nc > 0) load_u(ucur, 0);
 
   for (int c = 0; c < nc; ++c) {
     const int cid = off + c;
-    const float* wb = sm + S::w_off + (c & 1) * CH * LDW;
-    const float* eb = sm + S::e_off + (c & 1) * CH * LDE;
-    const float* gb = sm + S::gl_off + (c & 1) * KP;
-    cpa_wait<2>();  // w(c)
+    const float* wb = sm + S::w_off + bsel(c) * CH * LDW;
+    const float* eb = sm + S::e_off + bsel(c) * CH * LDE;
+    const float* gb = sm + S::gl_off + bsel(c) * KP;
+    if constexpr (DB) cpa_wait<2>();  // w(c)
+    else cpa_wait<0>();
     __syncthreads();  // w(c) from every thread; hsm complete; every warp finished chunk c - 1 (its K Eend buffer)
-    if (c + 1 < nc) issue_e(c + 1);
+    if constexpr (DB) {
+      if (c + 1 < nc) issue_e(c + 1);
+    } else {
+      issue_e(c);  // (the single buffer: chunk c - 1's update, its last reader, is behind the barrier above)
+    }
     cpa_commit();
     store_hs(cid);
     if (c + 1 < nc) load_u(unext, c + 1);
@@ -234,9 +267,14 @@ __global__ void __launch_bounds__(kSf3Threads, 1) state_fwd3_kernel(Params p) {
         }
       }
     }
-    cpa_wait<2>();  // K Eend(c), Gam_last(c)
+    if constexpr (DB) cpa_wait<2>();  // K Eend(c), Gam_last(c)
+    else cpa_wait<0>();
     __syncthreads();  // Us complete; K Eend(c) from every thread; every warp finished reading w(c) and hsm
-    if (c + 2 < nc) issue_w(c + 2);
+    if constexpr (DB) {
+      if (c + 2 < nc) issue_w(c + 2);
+    } else {
+      if (c + 1 < nc) issue_w(c + 1);  // (the single buffer: w(c)'s readers are behind the barrier above)
+    }
     cpa_commit();
 
     {  // S <- Diag(Gam_last) S + (K Eend)^T U
