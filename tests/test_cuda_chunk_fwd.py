@@ -9,7 +9,7 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; test_gdn_prep_reference). Likewise KDA with
 bf16/fp16 inputs (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
-test_kda_prep2_split8_vs_plain_and_reference); KDA_CUDA_KDA_PREP=4 (opt-in, session 10) runs kda_chunk_prep3.cuh
+test_kda_prep2_split8_vs_plain_and_reference); KDA_CUDA_KDA_PREP=4 / 5 (opt-in, session 10) run kda_chunk_prep3.cuh
 (test_kda_prep3_vs_default_and_reference, test_kda_prep3_workspace_vs_default). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
 (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were retired in session 9 (test_retired_fwd_knob_values_are_refused).
 The scan is the warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default since session 9)
@@ -234,20 +234,22 @@ PREP3_CASES = ["T1", "T63", "T65", "T200", "T2048", "correlated_keys", "gate_div
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", PREP3_CASES)
 def test_kda_prep3_vs_default_and_reference(case, dtype, ws, monkeypatch):
-    """The KDA prep kernel v3 (kda_chunk_prep3.cuh, KDA_CUDA_KDA_PREP=4, opt-in) against the default (=3, v2 with the
-    8x8 split) on the same inputs and initial state (T not a multiple of 64, varlen with empty sequences, GVA, extreme
-    gates -20 / -1e4, K=V=64, odd K/V, V > 128, fp16) and against the float64 reference. v3 forms the same tf32
-    operands as v2 (only k~^T's fp32 products are associated differently), so the two agree far inside the
-    reference tolerance."""
-    (o3, s3), (o4, s4) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("3", "4"), monkeypatch)
-    assert torch.isfinite(o4.float()).all() and torch.isfinite(s4).all()
-    assert_close("o (prep v3 vs default)", o3.float().cpu(), o4.float().cpu(), 1e-3)
-    assert_close("final_state (prep v3 vs default)", s3.cpu(), s4.cpu(), 1e-4)
+    """The KDA prep kernel v3 (kda_chunk_prep3.cuh, KDA_CUDA_KDA_PREP=4, and =5 with P1's channel loop unrolled;
+    opt-in) against the default (=3, v2 with the 8x8 split) on the same inputs and initial state (T not a multiple
+    of 64, varlen with empty sequences, GVA, extreme gates -20 / -1e4, K=V=64, odd K/V, V > 128, fp16) and against
+    the float64 reference. v3 forms the same tf32 operands as v2 (only k~^T's fp32 products are associated
+    differently), so the two agree far inside the reference tolerance."""
+    (o3, s3), (o4, s4), (o5, s5) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("3", "4", "5"),
+                                                monkeypatch)
     (q, k, v, g, beta), h0, cu = case_inputs("kda", case, dtype)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=q.shape[3] ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
-    assert_close("o (prep v3)", ro, o4.cpu(), TOL[dtype])
-    assert_close("final_state (prep v3)", rs, s4.cpu(), TOL[dtype])
+    for name, o, st in (("=4", o4, s4), ("=5", o5, s5)):
+        assert torch.isfinite(o.float()).all() and torch.isfinite(st).all()
+        assert_close(f"o (prep v3 {name} vs default)", o3.float().cpu(), o.float().cpu(), 1e-3)
+        assert_close(f"final_state (prep v3 {name} vs default)", s3.cpu(), st.cpu(), 1e-4)
+        assert_close(f"o (prep v3 {name})", ro, o.cpu(), TOL[dtype])
+        assert_close(f"final_state (prep v3 {name})", rs, st.cpu(), TOL[dtype])
 
 
 def ws_sections(ws, K, V, half):
@@ -272,7 +274,7 @@ def ws_sections(ws, K, V, half):
 @pytest.mark.parametrize("case", ["T65", "T200", "extreme_gates", "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv",
                                   "wide_v", "odd_v", "varlen", "varlen_extreme"])
 def test_kda_prep3_workspace_vs_default(case, dtype, ws, monkeypatch):
-    """Section by section, the workspace v3 (KDA_CUDA_KDA_PREP=4) writes against the default's (=3), through the
+    """Section by section, the workspace v3 (KDA_CUDA_KDA_PREP=4 and 5) writes against the default's (=3), through the
     staged forward's stage 0 (chunk slots past a varlen batch's last chunk, never written, are skipped): w, u0, q~,
     A~ and the decay are formed from the same fp32 operands with the same tf32 rounding and mma order, so they agree
     to fp32 rounding; k~^T's products are associated differently (at most a rounding step of its storage type)."""
@@ -280,7 +282,7 @@ def test_kda_prep3_workspace_vs_default(case, dtype, ws, monkeypatch):
     (q, k, v, g, beta), h0, cu = case_inputs("kda", case, dtype)
     K, V, HV = q.shape[3], v.shape[3], v.shape[2]
     works = []
-    for value in ("3", "4"):
+    for value in ("3", "4", "5"):
         monkeypatch.setenv("KDA_CUDA_KDA_PREP", value)
         works.append(OPS.kda_chunk_fwd_stage([], 0, q, k, v, g, beta, K ** -0.5, None, cu))
     torch.cuda.synchronize()
@@ -289,12 +291,13 @@ def test_kda_prep3_workspace_vs_default(case, dtype, ws, monkeypatch):
     else:  # chunk map: [N + 1 chunk offsets | chunk_seq], -1 past the last chunk
         N = cu.numel() - 1
         valid = (works[0][1][N + 1:] >= 0).repeat_interleave(HV)
-    a, b = (ws_sections(w[0], K, V, ws == "ws_bf16") for w in works)
-    for name in a:
-        x, y = (a[name], b[name]) if valid is None else (a[name][valid], b[name][valid])
-        assert torch.isfinite(y).all(), f"{name}: non-finite values"
-        tol = dict(rtol=8e-3, atol=1e-30) if name == "kg" and ws == "ws_bf16" else dict(rtol=2e-6, atol=1e-30)
-        torch.testing.assert_close(y, x, **tol, msg=lambda m: f"workspace section {name}: {m}")
+    secs = [ws_sections(w[0], K, V, ws == "ws_bf16") for w in works]
+    for value, b in zip(("4", "5"), secs[1:]):
+        for name in secs[0]:
+            x, y = (secs[0][name], b[name]) if valid is None else (secs[0][name][valid], b[name][valid])
+            assert torch.isfinite(y).all(), f"={value} {name}: non-finite values"
+            tol = dict(rtol=8e-3, atol=1e-30) if name == "kg" and ws == "ws_bf16" else dict(rtol=2e-6, atol=1e-30)
+            torch.testing.assert_close(y, x, **tol, msg=lambda m: f"={value}, workspace section {name}: {m}")
 
 
 # knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call

@@ -55,7 +55,8 @@ KNOB_SWEEPS = [
      "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block)"),
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
      "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs, 4 kda_chunk_prep3 (opt-in, "
-     "session 10: product tables, ldmatrix fragments, pre-rounded tf32 operands) (0, the generic prep, and 1, "
+     "session 10: product tables, ldmatrix fragments, pre-rounded tf32 operands), 5 it with P1's channel loop "
+     "unrolled (0, the generic prep, and 1, "
      "kda_chunk_prep v1: retired in session 9, refused)"),
     ("--gdn-prep", "KDA_CUDA_GDN_PREP", "fwd", "fwd_gdn_prep", "gdn",
      "1 gdn_chunk_prep, the default for bf16/fp16 inputs, 2 gdn_chunk_prep2 (session 10: the same workspace, three "

@@ -145,7 +145,9 @@ struct KdaPrep3Smem : KdaPrep2Smem<KP> {
                 "Hs and KF fit in the A_kk region");
 };
 
-template <int KP, typename T16>
+// P1U (KDA_CUDA_KDA_PREP=5): P1's two channel-pair iterations per pass unrolled (twice the independent work per
+// warp between barriers; 128 registers, the cap, 0 spills) instead of a loop (=4: 106 registers).
+template <int KP, typename T16, bool P1U>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep3_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep3Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -329,7 +331,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep3_kernel(const C
     }
 
     // ---- W: q~ (tiles 0..15) and k~^T (tiles 16..31) of this pass in fragment order from the product tables
-#pragma unroll 1
+#pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int it = tid + r * kGdnThreads;
       const int ln = it & 31, z = it >> 5;  // warp-uniform
@@ -353,9 +355,11 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep3_kernel(const C
     }
 
     // ---- P1: the two 8x8 triangles of each diagonal block, running products of a_i from t down to j + 1 (v2)
+#pragma unroll
+    for (int ci = 0; ci < (P1U ? kKdaPass / 16 : 1); ++ci)
 #pragma unroll 1
-    for (int ci = 0; ci < kKdaPass / 16; ++ci) {
-      const int c = cp0 + 2 * (ci * 8 + cg);
+    for (int cj = 0; cj < (P1U ? 1 : kKdaPass / 16); ++cj) {
+      const int c = cp0 + 2 * ((ci + cj) * 8 + cg);
       const float2 qa = ld_pair16<T16>(Qs + t1 * LDH + c), ka = ld_pair16<T16>(Ks + t1 * LDH + c);
       const float2 qb = ld_pair16<T16>(Qs + t2 * LDH + c), kb = ld_pair16<T16>(Ks + t2 * LDH + c);
       float f1x = 1.f, f1y = 1.f, f2x = 1.f, f2y = 1.f;
