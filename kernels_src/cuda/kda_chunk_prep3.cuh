@@ -28,13 +28,13 @@ namespace cuda {
 
 // ldmatrix of 8x8 b16 matrices read as 8x4 32-bit words: lane l gets word (l % 4) of row (l / 4) of matrix i in
 // register i; lanes 8 i .. 8 i + 7 give the row addresses of matrix i (16-byte aligned rows).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+__device__ __forceinline__ void p3_ldsm_x4(uint32_t (&r)[4], const void* row) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
 }
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* row) {
+__device__ __forceinline__ void p3_ldsm_x2(uint32_t (&r)[2], const void* row) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
@@ -43,11 +43,11 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* row) {
 // stride ld floats, ld * 4 a multiple of 16 bytes, X 16-byte aligned): lane l addresses row (l & 7) + 8 ((l >> 3)
 // & 1), column 4 (l >> 4).
 __device__ __forceinline__ void ld_afrag32(uint32_t (&r)[4], const float* X, int ld, int lane) {
-  ldsm_x4(r, X + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 4);
+  p3_ldsm_x4(r, X + ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 4);
 }
 // The B fragment {(k = t, n = g), (k = t + 4, n = g)} of an 8x8 block stored n-major (row n, column k) at X.
 __device__ __forceinline__ void ld_bfrag32(uint32_t (&r)[2], const float* X, int ld, int lane) {
-  ldsm_x2(r, X + (lane & 7) * ld + ((lane >> 3) & 1) * 4);
+  p3_ldsm_x2(r, X + (lane & 7) * ld + ((lane >> 3) & 1) * 4);
 }
 
 __device__ __forceinline__ float p3_tf32(float x) { return __uint_as_float(to_tf32(x)); }  // (scan4 has tf32_round)
