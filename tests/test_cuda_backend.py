@@ -348,7 +348,10 @@ def test_public_api_captures_in_cuda_graphs(family, part):
                 o, _ = rec(qd, kd, vd, gd, beta=bd, initial_state=pool, ssm_state_indices=idx)
                 return o, pool.clone()
         names = ("o", "pool")
-    eager = [x.clone() for x in step()]
+    # detach: a clone that keeps the eager call's autograd graph alive keeps its AccumulateGrad nodes, bound to the
+    # legacy stream, and the captured backward would then make the legacy stream wait on the capture (session 10's
+    # first device call; diag_capture.py captured the same calls when nothing held that graph)
+    eager = [x.detach().clone() for x in step()]
     with torch.cuda.stream(side):
         step()  # warm-up
         graph = torch.cuda.CUDAGraph()
@@ -389,6 +392,7 @@ def _dec_env(monkeypatch, variant):
     knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE", "l": "KDA_CUDA_DEC_LEAN"}
     for name in knobs.values():
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KDA_CUDA_DEC_LEAN", "0")  # the session-8 kernels unless the variant says _l1 / _l2 (LEAN=1 is the default)
     for part in extra:
         monkeypatch.setenv(knobs[part[0]], part[1:])
 

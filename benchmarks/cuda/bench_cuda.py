@@ -110,7 +110,8 @@ SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 # the same with more blocks per SM: fp32 10, K-first bf16 9) against the default kernels (s1), then LEAN with other
 # cfgs (c0-c3: which tiling suits it; the defaults are cfg 2 / 1 / 0 / 0 for K-first fp32 / K-first bf16 / V-first
 # fp32 / V-first bf16). B < 256 gets the first SWEEP7_SMALL rows.
-SWEEP10 = [_v7(n) for n in ("s1", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_c1")]
+# (LEAN=1 is the default since that run; its "s1" / "s1_c1" rows were the LEAN=0 kernels, spelled s1_l0 / s1_l0_c1 now.)
+SWEEP10 = [_v7(n) for n in ("s1_l0", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_l0_c1")]
 
 
 def set_env(env, knobs=DEC_ENV):

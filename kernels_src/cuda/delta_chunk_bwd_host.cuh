@@ -98,11 +98,12 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
     // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
     // 7 = state_fwd3 (tf32) narrow: 16 value columns per block (twice the blocks: 256 at the shape above for 132
-    // SMs), single-buffered operands, two blocks per SM (opt-in, session 10; 6 is left unused).
+    // SMs), single-buffered operands, two blocks per SM -- the default for bf16/fp16 inputs since session 10 (0.572
+    // vs 0.636 ms at the shape above, KDA and GDN alike, same gradients; 6 is left unused).
     // (Session 9 tried bulk-copy versions of both state scans, state_fwd4 / state_bwd4: slower -- 0.86 / 1.66 ms
     // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
-    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 4);
+    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 7);
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /

@@ -195,12 +195,16 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
   const int hint = env_int("KDA_CUDA_DEC_HINT", -1);
   c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256) : dec_default_hint(esize);
-  const int lean = env_int("KDA_CUDA_DEC_LEAN", 0);
+  // LEAN=1 is the default since session 10 (fewer instructions per item; 0.5-6 % faster at B=256 / 64 for every
+  // pool kind in the candidate call, cuda_decode_session10.json); an explicit FUSE=1 or HINT still selects its
+  // kernels when LEAN is unset, and LEAN=0 the session-8 kernels.
+  const int lean = env_int("KDA_CUDA_DEC_LEAN", -1);
   c.var = lean == 1                              ? kDecVarLean
           : lean == 2                            ? kDecVarLeanOcc
           : env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse
           : hint >= 0                            ? kDecVarRuntimeHint
-                                                 : kDecVarDefault;
+          : lean == 0                            ? kDecVarDefault
+                                                 : kDecVarLean;
   return c;
 }
 
