@@ -74,9 +74,8 @@ KNOB_SWEEPS = [
      "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs, 5 it without "
      "(GDN: every value but 2 runs its prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, refused)"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
-     "2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance, 4 grad3_ch2g (KDA: "
-     "grad3_ch2 with the GVA sum of dq, dk fused, no gva_reduce launch; GDN: as 2) (1, grad3_ch_kernel: retired in "
-     "session 9, refused)"),
+     "2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance (1, grad3_ch_kernel: "
+     "retired in session 9, refused)"),
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
      "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default, 3 it with plain "
      "tf32 for bf16 inputs"),

@@ -18,7 +18,6 @@
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
 #include "delta_chunk_bwd_grad3_ch2.cuh"
-#include "delta_chunk_bwd_grad3_ch2g.cuh"
 #include "delta_gva_reduce.cuh"
 #include "delta_host.cuh"
 
@@ -28,7 +27,6 @@ namespace cuda {
 // One call of the five kernels for V <= 128. dq, dk, dg are per value head and fp32 (before the GVA sum).
 struct ChunkBwdF32 {
   at::Tensor dq, dk, dg, dbeta, dv, dh0;
-  bool dqk_final = false;  // dq, dk already per key head in the inputs' dtype (grad3_ch2g: the GVA sum fused)
 };
 
 // Work buffers of one backward call (V <= 128), shared by the one-call backward and its stages
@@ -40,8 +38,7 @@ enum BwdWork {
 };
 // cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
 // (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-// kCfgCh: KDA's grad3_ch2 instance (KDA_CUDA_CHUNK_BWD_CH=3: the 128-register one; =4: grad3_ch2g, the GVA sum of
-// dq, dk fused; see chunk_bwd_grad_stage).
+// kCfgCh: KDA's grad3_ch2 instance (KDA_CUDA_CHUNK_BWD_CH=3: the 128-register one; see chunk_bwd_grad_stage).
 enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
@@ -68,6 +65,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_GRAD", 2, "the single-kernel grad2_kernel");
     // the per-channel grad stage (KDA_CUDA_CHUNK_BWD_CH=1, grad3_ch_kernel: retired; see chunk_bwd_grad_stage)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 1, "the per-channel grad3_ch_kernel");
+    // (=4, grad3_ch2g with the GVA reduce of dq, dk fused in: 1.47 ms against grad3_ch2 + gva_reduce's 1.02 in
+    // session 10's candidate call -- its head loop spilled and ran the body G times per block -- and removed)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 4, "grad3_ch2g_kernel (the GVA reduce fused into grad3_ch2)",
+                   /*session=*/10);
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
     // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 2 = the fp32 SIMT v2 with
@@ -262,13 +263,6 @@ bool bwd_dg_per_head(const std::vector<at::Tensor>&) {
   return !PC;
 }
 
-// KDA_CUDA_CHUNK_BWD_CH=4 (KDA): grad3_ch2g writes dq, dk per key head in the inputs' dtype (the GVA sum fused;
-// delta_chunk_bwd_grad3_ch2g.cuh), so the grad stage's dq, dk are the op's outputs (ChunkBwdF32::dqk_final).
-template <bool PC>
-bool bwd_dqk_fused(const std::vector<at::Tensor>& work) {
-  return PC && bwd_cfg(work, kCfgCh) == 4;
-}
-
 // Stage grad: dq, dk, dg, dbeta, dv per chunk (p's output pointers, or set by `hook` at its points).
 template <bool PC>
 void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vector<at::Tensor>& work, cudaStream_t st,
@@ -319,10 +313,8 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     const int64_t ch_mode = bwd_cfg(work, kCfgCh);
     if constexpr (PC) {
       // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM), every
-      // dtype and K (KDA_CUDA_CHUNK_BWD_CH=3: its 128-register instance; =4: grad3_ch2g, the same with the GVA sum
-      // of dq, dk fused, p.dq / p.dk the [tokens, H, K] outputs in the inputs' dtype, bwd_dqk_fused)
-      if (ch_mode == 4) cb::launch_grad3_ch2g<PC>(nc_max, s.H, p, st);
-      else cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
+      // dtype and K (KDA_CUDA_CHUNK_BWD_CH=3: its 128-register instance)
+      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
       // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head), every dtype and K
@@ -356,37 +348,24 @@ inline void bwd_alloc_dv_dbeta(const Shapes& s, const at::Tensor& q, const at::T
   p.dbeta = r.dbeta.data_ptr<float>(); p.dv = r.dv.data_ptr();
 }
 
-// dqk_final (bwd_dqk_fused): dq, dk are the op's outputs, [B, T, H, K] in q's dtype (p.dq / p.dk point at them).
 inline void bwd_alloc_dq_dk_dg(const Shapes& s, const at::Tensor& q, bool varlen, bool dg_per_head, ChunkBwdF32& r,
-                               chunk_bwd::Params& p, bool dqk_final = false) {
+                               chunk_bwd::Params& p) {
   if (!r.dq.defined()) {
     const int64_t tokens = static_cast<int64_t>(s.B) * s.T;
     auto f32 = q.options().dtype(at::kFloat);
     auto out_buf = [&](std::vector<int64_t> shape) { return varlen ? at::zeros(shape, f32) : at::empty(shape, f32); };
-    if (dqk_final) {
-      const std::vector<int64_t> shape{s.B, s.T, s.H, s.K};
-      r.dq = varlen ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
-      r.dk = varlen ? at::zeros(shape, q.options()) : at::empty(shape, q.options());
-      r.dqk_final = true;
-    } else {
-      r.dq = out_buf({tokens, s.HV, s.K});
-      r.dk = out_buf({tokens, s.HV, s.K});
-    }
+    r.dq = out_buf({tokens, s.HV, s.K});
+    r.dk = out_buf({tokens, s.HV, s.K});
     r.dg = dg_per_head ? out_buf({tokens, s.HV}) : out_buf({tokens, s.HV, s.K});
   }
-  if (r.dqk_final) {  // (the kernel stores the inputs' dtype through these pointers)
-    p.dq = static_cast<float*>(r.dq.data_ptr()); p.dk = static_cast<float*>(r.dk.data_ptr());
-  } else {
-    p.dq = r.dq.data_ptr<float>(); p.dk = r.dk.data_ptr<float>();
-  }
-  p.dg = r.dg.data_ptr<float>();
+  p.dq = r.dq.data_ptr<float>(); p.dk = r.dk.data_ptr<float>(); p.dg = r.dg.data_ptr<float>();
 }
 
 inline ChunkBwdF32 bwd_alloc_grads(const Shapes& s, const at::Tensor& q, const at::Tensor& v, bool varlen,
-                                   bool dg_per_head, chunk_bwd::Params& p, bool dqk_final = false) {
+                                   bool dg_per_head, chunk_bwd::Params& p) {
   ChunkBwdF32 r;
   bwd_alloc_dv_dbeta(s, q, v, varlen, r, p);
-  bwd_alloc_dq_dk_dg(s, q, varlen, dg_per_head, r, p, dqk_final);
+  bwd_alloc_dq_dk_dg(s, q, varlen, dg_per_head, r, p);
   return r;
 }
 
@@ -398,18 +377,15 @@ template <bool PC>
 ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
                             const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu,
-                            const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state,
-                            bool column_block = false) {
+                            const at::Tensor& grad_o, const std::optional<at::Tensor>& grad_final_state) {
   std::vector<at::Tensor> work;
   chunk_bwd::Params p = chunk_bwd_params(op, s, q, k, v, g, beta, scale, initial_state, cu, grad_o, work);
-  // a column block of V > 128 (column_block): dq, dk are summed over the blocks in fp32 first, so no fused GVA sum
-  if (column_block && bwd_cfg(work, kCfgCh) == 4) work[kBwCfg].data_ptr<int64_t>()[kCfgCh] = 2;
   at::Tensor dht;  // holds a converted copy of grad_final_state alive
   p.dht = grad_state_data(grad_final_state, dht);
-  const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work), fused = bwd_dqk_fused<PC>(work);
+  const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work);
   const bool lazy = env_int("KDA_CUDA_CHUNK_BWD_FREE", 1) != 0;
   ChunkBwdF32 r;
-  if (!lazy) r = bwd_alloc_grads(s, q, v, varlen, per_head, p, fused);
+  if (!lazy) r = bwd_alloc_grads(s, q, v, varlen, per_head, p);
   r.dh0 = bwd_alloc_dh0(s, q, p);
   auto st = c10::cuda::getCurrentCUDAStream().stream();
   chunk_bwd_prep_stage<PC>(s, p, work, st);
@@ -424,12 +400,12 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
       work[kBwU0].reset(); work[kBwDU].reset(); work[kBwWc].reset();
     }
     bwd_alloc_dv_dbeta(s, q, v, varlen, r, pp);
-    if (pt != kGradBeforeWy) bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, pp, fused);
+    if (pt != kGradBeforeWy) bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, pp);
   };
   chunk_bwd_grad_stage<PC>(s, p, work, st, hook);
   // no grad launch (no chunks or no heads): the outputs still exist (each call allocates only what is missing)
   bwd_alloc_dv_dbeta(s, q, v, varlen, r, p);
-  bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, p, fused);
+  bwd_alloc_dq_dk_dg(s, q, varlen, per_head, r, p);
   return r;
 }
 
@@ -481,10 +457,7 @@ inline bool gva_reduce_cuda(const Shapes& s, const at::Tensor& q, const at::Tens
 template <bool PC>
 DeltaBwdResult chunk_bwd_finish(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const ChunkBwdF32& r) {
   at::Tensor dq_out, dk_out;
-  if (r.dqk_final) {  // grad3_ch2g wrote them per key head in the inputs' dtype
-    dq_out = r.dq;
-    dk_out = r.dk;
-  } else if (!gva_reduce_cuda(s, q, k, r, dq_out, dk_out)) {
+  if (!gva_reduce_cuda(s, q, k, r, dq_out, dk_out)) {
     dq_out = sum_gva(r.dq, s.B, s.T, s.H, s.HV, s.K).to(q.scalar_type()).contiguous();
     dk_out = sum_gva(r.dk, s.B, s.T, s.H, s.HV, s.K).to(k.scalar_type()).contiguous();
   }
@@ -515,8 +488,7 @@ DeltaBwdResult chunk_bwd_core(const char* op, const Shapes& s, const at::Tensor&
       std::optional<at::Tensor> h0b, dhtb;
       if (initial_state.has_value()) h0b = cut(*initial_state);
       if (dht.has_value()) dhtb = cut(*dht);
-      ChunkBwdF32 part =
-          chunk_bwd_block<PC>(op, sb, q, k, cut(v), g, beta, scale, h0b, cu, cut(grad_o), dhtb, /*column_block=*/true);
+      ChunkBwdF32 part = chunk_bwd_block<PC>(op, sb, q, k, cut(v), g, beta, scale, h0b, cu, cut(grad_o), dhtb);
       if (v0 == 0) {
         r.dq = part.dq; r.dk = part.dk; r.dg = part.dg; r.dbeta = part.dbeta;
       } else {
@@ -663,7 +635,7 @@ std::vector<at::Tensor> chunk_bwd_stage(const char* op, at::TensorList work_in, 
       return {dh0};
     }
     default: {
-      ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), bwd_dg_per_head<PC>(work), p, bwd_dqk_fused<PC>(work));
+      ChunkBwdF32 r = bwd_alloc_grads(s, q, v, cu.has_value(), bwd_dg_per_head<PC>(work), p);
       chunk_bwd_grad_stage<PC>(s, p, work, st);
       r.dh0 = at::empty({0}, q.options().dtype(at::kFloat));
       auto [dq, dk, dv, dg, dbeta, unused] = chunk_bwd_finish<PC>(s, q, k, r);

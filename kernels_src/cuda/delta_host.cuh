@@ -40,10 +40,11 @@ inline int env_int(const char* name, int dflt) {
 
 // A knob value whose kernel was retired (docs/cuda.md, "Retired kernels"): refused with a clear error rather than
 // silently running another kernel. `what` names the retired kernel.
-inline void refuse_retired(const char* op, const char* knob, int value, const char* what) {
+inline void refuse_retired(const char* op, const char* knob, int value, const char* what, int session = 9) {
   const char* s = std::getenv(knob);
   TORCH_CHECK(!(s && *s && std::atoi(s) == value), "[", op, "] ", knob, "=", value, " selected ", what,
-              ", retired in session 9 (docs/cuda.md, \"Retired kernels\"): unset ", knob, " or pick another value");
+              ", retired in session ", session, " (docs/cuda.md, \"Retired kernels\"): unset ", knob,
+              " or pick another value");
 }
 
 // Lets `kern` launch with `bytes` of dynamic shared memory on the current device. The attribute belongs to the
