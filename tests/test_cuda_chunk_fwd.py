@@ -9,8 +9,7 @@ logsigmoid(randn)/{0.1, 1, 10}, 30 % of gates at -20 and some at -1e4, T not a m
 (KDA_CUDA_CHUNK_WS_BF16=0; the default stores q~, k~^T, A~ as bf16), and replay under a CUDA graph. GDN with
 bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; test_gdn_prep_reference). Likewise KDA with
 bf16/fp16 inputs (kda_chunk_prep2.cuh, KDA_CUDA_KDA_PREP=3 with the 8x8 split, =2 without;
-test_kda_prep2_split8_vs_plain_and_reference); KDA_CUDA_KDA_PREP=4 / 5 (opt-in, session 10) run kda_chunk_prep3.cuh
-(test_kda_prep3_vs_default_and_reference, test_kda_prep3_workspace_vs_default). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
+test_kda_prep2_split8_vs_plain_and_reference). The v1 KDA prep (=1) and the generic prep for 16-bit inputs
 (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were retired in session 9 (test_retired_fwd_knob_values_are_refused).
 The scan is the warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default since session 9)
 where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
@@ -223,81 +222,6 @@ def test_kda_prep2_split8_vs_plain_and_reference(case, dtype, ws, monkeypatch):
     for name, o, st in (("plain", o2, s2), ("split8", o3, s3)):
         assert_close(f"o (prep v2 {name})", ro, o.cpu(), TOL[dtype])
         assert_close(f"final_state (prep v2 {name})", rs, st.cpu(), TOL[dtype])
-
-
-PREP3_CASES = ["T1", "T63", "T65", "T200", "T2048", "correlated_keys", "gate_div_0.1", "gate_div_10", "extreme_gates",
-               "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v",
-               "varlen", "varlen_extreme"]
-
-
-@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", PREP3_CASES)
-def test_kda_prep3_vs_default_and_reference(case, dtype, ws, monkeypatch):
-    """The KDA prep kernel v3 (kda_chunk_prep3.cuh, KDA_CUDA_KDA_PREP=4, and =5 with P1's channel loop unrolled;
-    opt-in) against the default (=3, v2 with the 8x8 split) on the same inputs and initial state (T not a multiple
-    of 64, varlen with empty sequences, GVA, extreme gates -20 / -1e4, K=V=64, odd K/V, V > 128, fp16) and against
-    the float64 reference. v3 forms the same tf32 operands as v2 (only k~^T's fp32 products are associated
-    differently), so the two agree far inside the reference tolerance."""
-    (o3, s3), (o4, s4), (o5, s5) = fwd_per_knob("kda", case, dtype, ws, "KDA_CUDA_KDA_PREP", ("3", "4", "5"),
-                                                monkeypatch)
-    (q, k, v, g, beta), h0, cu = case_inputs("kda", case, dtype)
-    ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=q.shape[3] ** -0.5,
-                            initial_state=h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
-    for name, o, st in (("=4", o4, s4), ("=5", o5, s5)):
-        assert torch.isfinite(o.float()).all() and torch.isfinite(st).all()
-        assert_close(f"o (prep v3 {name} vs default)", o3.float().cpu(), o.float().cpu(), 1e-3)
-        assert_close(f"final_state (prep v3 {name} vs default)", s3.cpu(), st.cpu(), 1e-4)
-        assert_close(f"o (prep v3 {name})", ro, o.cpu(), TOL[dtype])
-        assert_close(f"final_state (prep v3 {name})", rs, st.cpu(), TOL[dtype])
-
-
-def ws_sections(ws, K, V, half):
-    """The workspace slices [chunks * HV, ws_stride] cut into WsLayout's sections (delta_chunk_fwd.cuh), each as
-    float32 (the bf16 sections q~, k~^T, A~ widened)."""
-    KP = 64 if K <= 64 else 128
-    d = 2 if half else 1
-    sizes = [("w", 64 * KP, False), ("qg", 64 * KP // d, half), ("kg", 64 * KP // d, half),
-             ("aqk", 64 * 64 // d, half), ("decay", KP, False), ("u", 64 * V, False)]
-    stride = sum(n for _, n, _ in sizes)
-    ws = ws.view(-1, stride)
-    out, o = {}, 0
-    for name, n, is_half in sizes:
-        x = ws[:, o:o + n]
-        out[name] = x.contiguous().view(torch.bfloat16).float() if is_half else x
-        o += n
-    return out
-
-
-@pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T65", "T200", "extreme_gates", "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv",
-                                  "wide_v", "odd_v", "varlen", "varlen_extreme"])
-def test_kda_prep3_workspace_vs_default(case, dtype, ws, monkeypatch):
-    """Section by section, the workspace v3 (KDA_CUDA_KDA_PREP=4 and 5) writes against the default's (=3), through the
-    staged forward's stage 0 (chunk slots past a varlen batch's last chunk, never written, are skipped): w, u0, q~,
-    A~ and the decay are formed from the same fp32 operands with the same tf32 rounding and mma order, so they agree
-    to fp32 rounding; k~^T's products are associated differently (at most a rounding step of its storage type)."""
-    monkeypatch.setenv("KDA_CUDA_CHUNK_WS_BF16", "1" if ws == "ws_bf16" else "0")
-    (q, k, v, g, beta), h0, cu = case_inputs("kda", case, dtype)
-    K, V, HV = q.shape[3], v.shape[3], v.shape[2]
-    works = []
-    for value in ("3", "4", "5"):
-        monkeypatch.setenv("KDA_CUDA_KDA_PREP", value)
-        works.append(OPS.kda_chunk_fwd_stage([], 0, q, k, v, g, beta, K ** -0.5, None, cu))
-    torch.cuda.synchronize()
-    if cu is None:
-        valid = None
-    else:  # chunk map: [N + 1 chunk offsets | chunk_seq], -1 past the last chunk
-        N = cu.numel() - 1
-        valid = (works[0][1][N + 1:] >= 0).repeat_interleave(HV)
-    secs = [ws_sections(w[0], K, V, ws == "ws_bf16") for w in works]
-    for value, b in zip(("4", "5"), secs[1:]):
-        for name in secs[0]:
-            x, y = (secs[0][name], b[name]) if valid is None else (secs[0][name][valid], b[name][valid])
-            assert torch.isfinite(y).all(), f"={value} {name}: non-finite values"
-            tol = dict(rtol=8e-3, atol=1e-30) if name == "kg" and ws == "ws_bf16" else dict(rtol=2e-6, atol=1e-30)
-            torch.testing.assert_close(y, x, **tol, msg=lambda m: f"={value}, workspace section {name}: {m}")
 
 
 # knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call

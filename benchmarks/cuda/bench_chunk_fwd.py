@@ -3,9 +3,8 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
 
     python3 benchmarks/cuda/bench_chunk_fwd.py      # writes $OUT (or benchmarks/results) cuda_chunk_fwd.{json,png}
     BENCH_SHAPES=varlen BENCH_BUDGET_S=60 python3 benchmarks/cuda/bench_chunk_fwd.py   # some shapes, a time budget
-    BENCH_FAMILIES=kda BENCH_KDA_PREP=2,3,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # KDA only, the prep v2 without (2) and with (3, the default) the 8x8 split and the prep v3 (4, opt-in,
-        # kda_chunk_prep3.cuh) (KDA_CUDA_KDA_PREP), no fla
+    BENCH_FAMILIES=kda BENCH_KDA_PREP=2,3 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # KDA only, the prep v2 without (2) and with (3, the default) the 8x8 split (KDA_CUDA_KDA_PREP), no fla
         # (the generic prep for 16-bit inputs, KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0, and the KDA v1 prep, =1,
         # were retired in session 9: those values raise an error)
     BENCH_CHUNK_SCAN=1,4 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
@@ -130,7 +129,7 @@ def main():
     t_start = time.time()
     families = os.environ.get("BENCH_FAMILIES", "kda,gdn").split(",")
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # KDA_CUDA_GDN_PREP values in turn (1 default, 2 v2)
-             "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP (e.g. "3,4")
+             "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP (e.g. "2,3")
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
     # e.g. "0,1,4": KDA_CUDA_CHUNK_SCAN values (0 auto, 1 single, 4 bulk, 5 / 6 split, 7 warp-specialized)
     scans = os.environ.get("BENCH_CHUNK_SCAN")

@@ -54,9 +54,7 @@ KNOB_SWEEPS = [
      "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
      "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block)"),
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
-     "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs, 4 kda_chunk_prep3 (opt-in, "
-     "session 10: product tables, ldmatrix fragments, pre-rounded tf32 operands), 5 it with P1's channel loop "
-     "unrolled (0, the generic prep, and 1, "
+     "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs (0, the generic prep, and 1, "
      "kda_chunk_prep v1: retired in session 9, refused)"),
     ("--gdn-prep", "KDA_CUDA_GDN_PREP", "fwd", "fwd_gdn_prep", "gdn",
      "1 gdn_chunk_prep, the default for bf16/fp16 inputs, 2 gdn_chunk_prep2 (session 10: the same workspace, three "

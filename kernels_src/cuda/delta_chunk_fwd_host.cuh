@@ -5,9 +5,6 @@
 // GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=2, opt-in since
 // session 10: gdn_chunk_prep2.cuh, the same workspace with three blocks per SM), as does KDA (KDA_CUDA_KDA_PREP: 3, the
 // default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it without the split, 0.61 ms).
-// 4 (opt-in, session 10): kda_chunk_prep3.cuh, v2 with the 8x8 split re-balanced (product tables, ldmatrix
-// fragments, pre-rounded tf32 operands in P2 / S5; same workspace); 5 the same with P1's channel loop unrolled.
-// Any other value runs 3.
 // Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
 // Both variables are read at every call.
@@ -35,7 +32,6 @@
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
 #include "kda_chunk_prep2.cuh"
-#include "kda_chunk_prep3.cuh"
 #include "delta_host.cuh"
 
 namespace kda_kernels {
@@ -102,30 +98,13 @@ void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// KDA, bf16/fp16 inputs, version 4: kda_chunk_prep3_kernel (kda_chunk_prep3.cuh; same shared memory as v2); 5: it
-// with P1's channel loop unrolled (P1U).
-template <int KP, typename T16, bool P1U>
-void launch_kda_prep3_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  constexpr size_t smem = KdaPrep3Smem<KP>::bytes;
-  auto kern = kda_chunk_prep3_kernel<KP, T16, P1U>;
-  allow_dynamic_smem(kern, smem);
-  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// version 2: kda_chunk_prep2_kernel, 4 / 5: kda_chunk_prep3_kernel (5: P1U), else (3, the default) v2 with SPLIT8 (1, the v1 kernel kda_chunk_prep_kernel:
+// version 2: kda_chunk_prep2_kernel, else (3, the default) it with SPLIT8 (1, the v1 kernel kda_chunk_prep_kernel:
 // retired in session 9, refused by chunk_prep_dispatch).
 template <int KP>
 void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
   if (version == 2) {
     if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
     else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
-  } else if (version == 4) {
-    if (p.in_dtype == kBF16) launch_kda_prep3_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
-    else launch_kda_prep3_t<KP, __half, false>(p, max_chunks, st);
-  } else if (version == 5) {
-    if (p.in_dtype == kBF16) launch_kda_prep3_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
-    else launch_kda_prep3_t<KP, __half, true>(p, max_chunks, st);
   } else {
     if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
     else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
