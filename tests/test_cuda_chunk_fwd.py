@@ -224,9 +224,9 @@ def test_kda_prep2_split8_vs_plain_and_reference(case, dtype, ws, monkeypatch):
         assert_close(f"final_state (prep v2 {name})", rs, st.cpu(), TOL[dtype])
 
 
-# knob values whose kernels were retired in session 9 (docs/cuda.md, "Retired kernels"): refused at the call
+# knob values whose kernels were retired in sessions 9 and 10 (docs/cuda.md, "Retired kernels"): refused at the call
 RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "0"),
-               ("gdn", "KDA_CUDA_GDN_PREP", "0")]
+               ("gdn", "KDA_CUDA_GDN_PREP", "0"), ("kda", "KDA_CUDA_KDA_PREP", "4"), ("kda", "KDA_CUDA_KDA_PREP", "5")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -234,9 +234,9 @@ RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "
 def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeypatch):
     monkeypatch.setenv(knob, value)
     (q, k, v, g, beta), h0, cu = case_inputs(family, "T65", dtype)
-    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session 9"):
+    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session (9|10)"):
         getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, 0.1, h0, cu)
-    with pytest.raises(RuntimeError, match="retired in session 9"):
+    with pytest.raises(RuntimeError, match="retired in session (9|10)"):
         getattr(OPS, f"{family}_chunk_fwd_stage")([], 0, q, k, v, g, beta, 0.1, None, cu)
 
 

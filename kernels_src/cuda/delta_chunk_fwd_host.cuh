@@ -221,6 +221,10 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
   if constexpr (PC) {
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 1, "the v1 KDA prep kda_chunk_prep_kernel");
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+    // (4 / 5: KDA prep v3, kda_chunk_prep3.cuh -- 0.570 / 0.585 ms against prep2's 0.569 in session 10's last
+    // device call; removed)
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 4, "the KDA prep v3 kda_chunk_prep3_kernel", 10);
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 5, "the KDA prep v3 kda_chunk_prep3_kernel (unrolled)", 10);
   } else {
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
   }
