@@ -315,26 +315,40 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
 
 // Prefetch [p, p + bytes) into L2. asm volatile: GCC (12, -O2 and up) deleted the equivalent _mm_prefetch loop
 // inside prefetch_chunk as code without effect, so before session 7 no prefetch instruction was in the library.
-inline void prefetch_bytes(const void* p, int64_t bytes) {
+inline void prefetch_bytes(const void* p, int64_t bytes, int hint = 1) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   const char* line = reinterpret_cast<const char*>(a & ~uintptr_t(63));
   const int64_t n = static_cast<int64_t>(a & 63) + bytes;
-  for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht1 %0" : : "m"(line[off]));
+  switch (hint) {
+    case 0: break;
+    case 2: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht0 %0" : : "m"(line[off])); break;
+    case 3: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetchnta %0" : : "m"(line[off])); break;
+    case 4: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht2 %0" : : "m"(line[off])); break;
+    default: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht1 %0" : : "m"(line[off]));
+  }
+}
+
+// KDA_DEV_PF=n: the instruction of the chunked forward's next-chunk prefetch, for A/B measurements
+// (0 none, 1 prefetcht1 = default, 2 prefetcht0, 3 prefetchnta, 4 prefetcht2). On AMD cores the t0/t1/t2 hints
+// may all fill L1; a profile of the GDN T = 512 prefill put ~9 % of its samples on the prefetch loops.
+inline int prefetch_hint() {
+  const char* e = std::getenv("KDA_DEV_PF");
+  return e ? std::atoi(e) : 1;
 }
 
 // Prefetch rows [i0, i1) of the chunk starting at token c0 into L2. The rows of one head are H*K elements
 // apart (each in its own page for long sequences): without this every chunk load waits on TLB and DRAM misses.
 template <typename T, bool PC>
 inline void prefetch_chunk(const T* q, const T* k, const T* v, const float* g, const Dims& d, const Seq& s,
-                           int64_t hv, int64_t c0, int64_t i0, int64_t i1) {
+                           int64_t hv, int64_t c0, int64_t i0, int64_t i1, int hint = 1) {
   const int64_t h = hv / d.G, K = d.K, V = d.V;
   i1 = std::min(i1, s.len - c0);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t row = s.b * d.T + s.start + c0 + i;
-    prefetch_bytes(q + (row * d.H + h) * K, K * sizeof(T));
-    prefetch_bytes(k + (row * d.H + h) * K, K * sizeof(T));
-    prefetch_bytes(v + (row * d.HV + hv) * V, V * sizeof(T));
-    if (PC) prefetch_bytes(g + (row * d.HV + hv) * K, K * sizeof(float));
+    prefetch_bytes(q + (row * d.H + h) * K, K * sizeof(T), hint);
+    prefetch_bytes(k + (row * d.H + h) * K, K * sizeof(T), hint);
+    prefetch_bytes(v + (row * d.HV + hv) * V, V * sizeof(T), hint);
+    if (PC) prefetch_bytes(g + (row * d.HV + hv) * K, K * sizeof(float), hint);
   }
 }
 
@@ -676,6 +690,7 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const bool kda_turns = PC && !(kt && kt[0] == '0');
   constexpr int64_t CL = PC ? CH : GDN_CH;
   const int64_t tb = PC ? round_up(gdn_turn(), CH) : gdn_turn();
+  const int pfh = prefetch_hint();
   at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
@@ -711,7 +726,7 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               }
               auto pf = [&](int64_t i, int64_t parts) {
                 if (nc0 < s.len)
-                  prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, nhv, nc0, i * CL / parts, (i + 1) * CL / parts);
+                  prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, nhv, nc0, i * CL / parts, (i + 1) * CL / parts, pfh);
               };
               chunk_fwd_core<PC>(b, Cp, sc, states + j * KVp, b.o, pf);
               store_o(s, hv, c0, Cc);
