@@ -215,6 +215,39 @@ def test_gdn_chunk_fwd_turn_knob(cpu, turn, monkeypatch):
     assert rel_err(ref[0], o) <= TOL[torch.float32]["o"] and rel_err(ref[1], s) <= TOL[torch.float32]["state"]
 
 
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_solve16_knob(cpu, family, monkeypatch):
+    """residual_solve16 (16-row chunks: every GDN forward chunk, KDA's chunks of <= 16 tokens) computes the same
+    products in the same order as the residual loop + solve_lower it replaces (KDA_DEV_SOLVE16=0): bit for bit."""
+    x, do, dsN = make_case("big_out", family, torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"])
+    op = getattr(cpu.ops, f"{family}_chunk_fwd")
+    monkeypatch.delenv("KDA_DEV_SOLVE16", raising=False)
+    o1, s1 = op(*args)
+    monkeypatch.setenv("KDA_DEV_SOLVE16", "0")
+    o0, s0 = op(*args)
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    ref = reference("big_out", family, torch.float32)
+    assert rel_err(ref[0], o1) <= TOL[torch.float32]["o"] and rel_err(ref[1], s1) <= TOL[torch.float32]["state"]
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_chunk_fwd_prefetch_knob(cpu, family, monkeypatch):
+    """KDA_DEV_PF (A/B knob of the chunked forward's next-chunk prefetch instruction: 0 none, 1 prefetcht1 =
+    default, 2 t0, 3 nta, 4 t2) changes no result: every value gives the default's outputs bit for bit."""
+    x, do, dsN = make_case("big_out", family, torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["initial_state"], x["cu_seqlens"])
+    op = getattr(cpu.ops, f"{family}_chunk_fwd")
+    monkeypatch.delenv("KDA_DEV_PF", raising=False)
+    o1, s1 = op(*args)
+    ref = reference("big_out", family, torch.float32)
+    assert rel_err(ref[0], o1) <= TOL[torch.float32]["o"] and rel_err(ref[1], s1) <= TOL[torch.float32]["state"]
+    for hint in ("0", "2", "3", "4"):
+        monkeypatch.setenv("KDA_DEV_PF", hint)
+        o, s = op(*args)
+        assert torch.equal(o, o1) and torch.equal(s, s1), f"KDA_DEV_PF={hint}"
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("turns,turn", [("1", ""), ("1", "64"), ("1", "128"), ("0", "")])
 def test_kda_chunk_fwd_turns_knob(cpu, turns, turn, threads, monkeypatch):

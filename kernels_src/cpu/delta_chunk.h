@@ -236,6 +236,7 @@ inline int64_t gdn_turn() {
 
 struct ChunkBufs {
   int64_t Kp, Vp, W;  // padded K, V (multiples of 8); W = Vp + Kp
+  bool solve16 = true;  // forward: residual_solve16 for 16-row chunks (KDA_DEV_SOLVE16=0: the loops before it)
   // inputs
   float *q, *k, *a, *v, *beta, *gs;  // gs: the per-head gate of each row (GDN)
   // forward quantities
@@ -315,26 +316,40 @@ inline void load_chunk(const T* q, const T* k, const T* v, const float* g, const
 
 // Prefetch [p, p + bytes) into L2. asm volatile: GCC (12, -O2 and up) deleted the equivalent _mm_prefetch loop
 // inside prefetch_chunk as code without effect, so before session 7 no prefetch instruction was in the library.
-inline void prefetch_bytes(const void* p, int64_t bytes) {
+inline void prefetch_bytes(const void* p, int64_t bytes, int hint = 1) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   const char* line = reinterpret_cast<const char*>(a & ~uintptr_t(63));
   const int64_t n = static_cast<int64_t>(a & 63) + bytes;
-  for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht1 %0" : : "m"(line[off]));
+  switch (hint) {
+    case 0: break;
+    case 2: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht0 %0" : : "m"(line[off])); break;
+    case 3: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetchnta %0" : : "m"(line[off])); break;
+    case 4: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht2 %0" : : "m"(line[off])); break;
+    default: for (int64_t off = 0; off < n; off += 64) asm volatile("prefetcht1 %0" : : "m"(line[off]));
+  }
+}
+
+// KDA_DEV_PF=n: the instruction of the chunked forward's next-chunk prefetch, for A/B measurements
+// (0 none, 1 prefetcht1 = default, 2 prefetcht0, 3 prefetchnta, 4 prefetcht2). On AMD cores the t0/t1/t2 hints
+// may all fill L1; a profile of the GDN T = 512 prefill put ~9 % of its samples on the prefetch loops.
+inline int prefetch_hint() {
+  const char* e = std::getenv("KDA_DEV_PF");
+  return e ? std::atoi(e) : 1;
 }
 
 // Prefetch rows [i0, i1) of the chunk starting at token c0 into L2. The rows of one head are H*K elements
 // apart (each in its own page for long sequences): without this every chunk load waits on TLB and DRAM misses.
 template <typename T, bool PC>
 inline void prefetch_chunk(const T* q, const T* k, const T* v, const float* g, const Dims& d, const Seq& s,
-                           int64_t hv, int64_t c0, int64_t i0, int64_t i1) {
+                           int64_t hv, int64_t c0, int64_t i0, int64_t i1, int hint = 1) {
   const int64_t h = hv / d.G, K = d.K, V = d.V;
   i1 = std::min(i1, s.len - c0);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t row = s.b * d.T + s.start + c0 + i;
-    prefetch_bytes(q + (row * d.H + h) * K, K * sizeof(T));
-    prefetch_bytes(k + (row * d.H + h) * K, K * sizeof(T));
-    prefetch_bytes(v + (row * d.HV + hv) * V, V * sizeof(T));
-    if (PC) prefetch_bytes(g + (row * d.HV + hv) * K, K * sizeof(float));
+    prefetch_bytes(q + (row * d.H + h) * K, K * sizeof(T), hint);
+    prefetch_bytes(k + (row * d.H + h) * K, K * sizeof(T), hint);
+    prefetch_bytes(v + (row * d.HV + hv) * V, V * sizeof(T), hint);
+    if (PC) prefetch_bytes(g + (row * d.HV + hv) * K, K * sizeof(float), hint);
   }
 }
 
@@ -490,6 +505,26 @@ inline void solve_lower(const float* lm, int64_t Cp, float* X, int64_t ldx, int6
   }
 }
 
+// U = (I + L)^{-1} Diag(beta) (V - U) in place for one 16-row block (Cp == SUB: every GDN forward chunk), the
+// same products in the same order as the residual loop + solve_lower (bit-identical), but 8 columns at a time with
+// the 16 rows in registers: solve_lower's inner loop loads and stores its row once per multiply-add (~8 % of the
+// GDN T = 512 prefill's samples).
+inline void residual_solve16(const float* __restrict lm, const float* __restrict beta, const float* __restrict v,
+                             float* __restrict u, int64_t Vp) {
+  for (int64_t c = 0; c < Vp; c += 8) {
+    __m256 x[SUB];
+#pragma GCC unroll 16
+    for (int t = 0; t < SUB; ++t) {
+      __m256 xt = _mm256_mul_ps(_mm256_set1_ps(beta[t]),
+                                _mm256_sub_ps(_mm256_loadu_ps(v + t * Vp + c), _mm256_loadu_ps(u + t * Vp + c)));
+#pragma GCC unroll 16
+      for (int j = 0; j < t; ++j) xt = _mm256_fnmadd_ps(_mm256_set1_ps(lm[t * CH + j]), x[j], xt);
+      x[t] = xt;
+      _mm256_storeu_ps(u + t * Vp + c, xt);
+    }
+  }
+}
+
 // Everything of the chunk that does not depend on the state, X = [u | w] included (the backward needs w).
 inline void prep_chunk(ChunkBufs& b, int64_t Cp) {
   const int64_t Kp = b.Kp, Vp = b.Vp, W = b.W;
@@ -557,20 +592,33 @@ inline void gdn_prep_chunk(ChunkBufs& b, int64_t Cp, GdnRows& r) {
     acc += b.gs[t];
     r.G[t] = acc;
   }
+  // gam_t = exp(G_t), eend_t = exp(G_last - G_t) through the vector exp (2 Cp scalar double exps were ~2 % of
+  // the T = 512 prefill): x = hi + lo with hi = float(x), exp(x) = exp(hi) (1 + lo) to well below fp32 rounding
+  alignas(32) float dif[CH], fac[CH], hi[CH], lo[CH];
   for (int64_t t = 0; t < Cp; ++t) {
-    r.gam[t] = static_cast<float>(std::exp(r.G[t]));
-    r.eend[t] = static_cast<float>(std::exp(r.G[Cp - 1] - r.G[t]));
+    const double x = r.G[t], y = r.G[Cp - 1] - r.G[t];
+    hi[t] = static_cast<float>(x);
+    lo[t] = static_cast<float>(x - static_cast<double>(hi[t]));
+    dif[t] = static_cast<float>(y);
+    fac[t] = static_cast<float>(y - static_cast<double>(dif[t]));
+  }
+  exp_row(hi, r.gam, Cp, Cp);
+  exp_row(dif, r.eend, Cp, Cp);
+  for (int64_t t = 0; t < Cp; ++t) {
+    r.gam[t] = std::fma(r.gam[t], lo[t], r.gam[t]);
+    r.eend[t] = std::fma(r.eend[t], fac[t], r.eend[t]);
   }
   transpose(b.k, Kp, b.krt, CH, Cp, Kp);  // krt [Kp x Cp], row stride CH
-  alignas(32) float dif[CH], fac[CH];
   for (int64_t p = 0; p < Cp / SUB; ++p) {
     const int64_t r0 = p * SUB, n = r0 + SUB;
     gemm<false>(SUB, n, Kp, 1.f, b.q + r0 * Kp, Kp, 1, b.krt, CH, b.aqk + r0 * CH, CH);
     gemm<false>(SUB, n, Kp, 1.f, b.k + r0 * Kp, Kp, 1, b.krt, CH, b.lm + r0 * CH, CH);
     for (int64_t t = r0; t < n; ++t) {
       const double Gt = r.G[t];
-      for (int64_t j = 0; j <= t; ++j) dif[j] = static_cast<float>(Gt - r.G[j]);
-      exp_row(dif, fac, t + 1, t + 1);
+      // whole rows of n (a multiple of 16) through the vector exp, not t + 1 with a scalar std::exp tail; the
+      // entries past t are not used
+      for (int64_t j = 0; j < n; ++j) dif[j] = j <= t ? static_cast<float>(Gt - r.G[j]) : 0.f;
+      exp_row(dif, fac, n, n);
       float* aq = b.aqk + t * CH;
       float* lk = b.lm + t * CH;
       const float bt = b.beta[t];
@@ -600,13 +648,17 @@ inline void chunk_fwd_core(ChunkBufs& b, int64_t Cp, float sc, float* S, float* 
   const int64_t Kp = b.Kp, Vp = b.Vp;
   // b.u holds the prediction (K Gam) S0 on entry: U = (I + L)^{-1} Diag(beta) (V - pred), then o += scale A_qk U
   auto residual_solve_intra = [&] {
-    for (int64_t t = 0; t < Cp; ++t) {
-      float* ut = b.u + t * Vp;
-      const float* vt = b.v + t * Vp;
-      const float bt = b.beta[t];
-      for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - ut[c]);
+    if (Cp == SUB && b.solve16) {
+      residual_solve16(b.lm, b.beta, b.v, b.u, Vp);
+    } else {
+      for (int64_t t = 0; t < Cp; ++t) {
+        float* ut = b.u + t * Vp;
+        const float* vt = b.v + t * Vp;
+        const float bt = b.beta[t];
+        for (int64_t c = 0; c < Vp; ++c) ut[c] = bt * (vt[c] - ut[c]);
+      }
+      solve_lower(b.lm, Cp, b.u, Vp, Vp);
     }
-    solve_lower(b.lm, Cp, b.u, Vp, Vp);
     if (o)
       for (int64_t p = 0; p < Cp / SUB; ++p)
         gemm<true>(SUB, Vp, (p + 1) * SUB, sc, b.aqk + p * SUB * CH, CH, 1, b.u, Vp, o + p * SUB * Vp, Vp);
@@ -663,10 +715,14 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const bool kda_turns = PC && !(kt && kt[0] == '0');
   constexpr int64_t CL = PC ? CH : GDN_CH;
   const int64_t tb = PC ? round_up(gdn_turn(), CH) : gdn_turn();
+  const int pfh = prefetch_hint();
+  const char* s16 = std::getenv("KDA_DEV_SOLVE16");
+  const bool solve16 = !(s16 && s16[0] == '0');
   at::parallel_for(0, N * d.HV, grain, [&](int64_t begin, int64_t end) {
     DenormalGuard guard;
     ChunkScratch& cs = chunk_scratch();
     ChunkBufs b = ChunkBufs::make(cs.bufs, Kp, Vp, false);
+    b.solve16 = solve16;
     auto store_o = [&](const Seq& s, int64_t hv, int64_t c0, int64_t Cc) {
       for (int64_t i = 0; i < Cc; ++i) {
         const int64_t row = s.b * d.T + s.start + c0 + i;
@@ -698,7 +754,7 @@ void chunk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               }
               auto pf = [&](int64_t i, int64_t parts) {
                 if (nc0 < s.len)
-                  prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, nhv, nc0, i * CL / parts, (i + 1) * CL / parts);
+                  prefetch_chunk<T, PC>(qp, kp, vp, gp, d, s, nhv, nc0, i * CL / parts, (i + 1) * CL / parts, pfh);
               };
               chunk_fwd_core<PC>(b, Cp, sc, states + j * KVp, b.o, pf);
               store_o(s, hv, c0, Cc);
