@@ -7,10 +7,11 @@
 torch.no_grad, as benchmark_cpu.py's "ours via public API") and the bare *_recurrent_serve op (also under no_grad)
 alternate, 20 calls each; the calling thread's CPU time (time.thread_time_ns) of one call, minimum over all.
 `threads`: the bare op with torch.set_num_threads(1) and (2) alternating per round, wall time (the work runs on
-OpenMP threads), minimum over all; H heads of a 128 x 128 fp32 state (64 KiB each; H=32 is the benchmark's 2 MiB).
+OpenMP threads), minimum and median over all; H heads of a 128 x 128 fp32 state (64 KiB each; H=32 is the benchmark's 2 MiB).
 This VM drifts 20-40 % and its two cores are shared: read ratios of the same round, run a few times.
 """
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,7 +66,7 @@ def api_overhead(mod, family, rounds):
 def thread_scaling(mod, family, H, rounds):
     q, k, v, g, beta, pool, idx = inputs(family, H)
     op = getattr(mod.ops, f"{family}_recurrent_serve").default
-    best = {1: float("inf"), 2: float("inf")}
+    samples = {1: [], 2: []}
     for _ in range(rounds):
         for n in (1, 2):
             torch.set_num_threads(n)
@@ -74,10 +75,15 @@ def thread_scaling(mod, family, H, rounds):
             for _ in range(20):
                 t0 = time.perf_counter_ns()
                 op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
-                best[n] = min(best[n], time.perf_counter_ns() - t0)
-    one, two = best[1], best[2]
-    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread {one / 1e3:7.1f} us ({one / 1e3 / H:.2f} us/head)"
-          f"   2 threads {two / 1e3:7.1f} us   x{one / two:.2f}", flush=True)
+                samples[n].append(time.perf_counter_ns() - t0)
+    # minimum (what benchmark_cpu.py reports) and median of the single calls: in a slow phase of this VM the
+    # 1-thread calls spread far more than the 2-thread ones (one session-10 probe: min 90, median 135-143 us at
+    # H=32), and then the two estimators give different speed-ups; in steady phases they agree (~1.43x)
+    one, two = min(samples[1]), min(samples[2])
+    m1, m2 = statistics.median(samples[1]), statistics.median(samples[2])
+    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread min {one / 1e3:7.1f} / median {m1 / 1e3:7.1f} us"
+          f" ({one / 1e3 / H:.2f} us/head)   2 threads min {two / 1e3:7.1f} / median {m2 / 1e3:7.1f} us"
+          f"   x{one / two:.2f} by min, x{m1 / m2:.2f} by median", flush=True)
 
 
 def main():
