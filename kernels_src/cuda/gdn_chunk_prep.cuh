@@ -143,6 +143,43 @@ __device__ __forceinline__ void gdn_stage(uint16_t* dst, int ld, const uint16_t*
   }
 }
 
+// Warp 0 of a GDN prep block (forward v1 / v2, the backward's prep3_gdn): the chunk's per-head gate prefix. Lane l
+// takes tokens t0 = 2l and t0 + 1 (gate and beta 0 at and past L), scans the gates in double (G_t inclusive; G_last
+// = G_63, the padding adds 0), and writes Gh[t] (the prefix as hi / lo floats) and Ea[t] = e^{G_t} for both tokens.
+// Returns the lane's betas and G_t0, G_t0+1, G_last for the caller's own tables.
+struct GdnGatePrefix {
+  float b0, b1;
+  double G0, G1, Gl;
+};
+__device__ __forceinline__ GdnGatePrefix gdn_gate_prefix(const float* g, const float* beta, int64_t tok0, int L,
+                                                         int HV, int hv, int lane, float2* Gh, float* Ea) {
+  const int t0 = 2 * lane;
+  float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
+  if (t0 < L) {
+    g0 = __ldg(g + (tok0 + t0) * HV + hv);
+    b0 = __ldg(beta + (tok0 + t0) * HV + hv);
+  }
+  if (t0 + 1 < L) {
+    g1 = __ldg(g + (tok0 + t0 + 1) * HV + hv);
+    b1 = __ldg(beta + (tok0 + t0 + 1) * HV + hv);
+  }
+  double s = static_cast<double>(g0) + static_cast<double>(g1);
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const double o = __shfl_up_sync(0xffffffffu, s, d);
+    if (lane >= d) s += o;
+  }
+  double ex = __shfl_up_sync(0xffffffffu, s, 1);
+  if (lane == 0) ex = 0.0;
+  const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
+  const double Gl = __shfl_sync(0xffffffffu, G1, 31);
+  Gh[t0] = split_hi_lo(G0);
+  Gh[t0 + 1] = split_hi_lo(G1);
+  Ea[t0] = __expf(static_cast<float>(G0));
+  Ea[t0 + 1] = __expf(static_cast<float>(G1));
+  return {b0, b1, G0, G1, Gl};
+}
+
 // acc[nt] += A (16x16, row stride lda) * B (16x16, row stride ldb) on one warp, 3xTF32 (about fp32).
 __device__ __forceinline__ void warp_mm16(float (&acc)[2][4], const float* A, int lda, const float* B, int ldb,
                                           int gq, int t4) {
@@ -347,29 +384,9 @@ __global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const Ch
   gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
   if (warp == 0) {
     const int t0 = 2 * lane;
-    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
-    if (t0 < L) {
-      g0 = __ldg(p.g + (tok0 + t0) * HV + hv);
-      b0 = __ldg(p.beta + (tok0 + t0) * HV + hv);
-    }
-    if (t0 + 1 < L) {
-      g1 = __ldg(p.g + (tok0 + t0 + 1) * HV + hv);
-      b1 = __ldg(p.beta + (tok0 + t0 + 1) * HV + hv);
-    }
-    double s = static_cast<double>(g0) + static_cast<double>(g1);
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const double o = __shfl_up_sync(0xffffffffu, s, d);
-      if (lane >= d) s += o;
-    }
-    double ex = __shfl_up_sync(0xffffffffu, s, 1);
-    if (lane == 0) ex = 0.0;
-    const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
-    const double Gl = __shfl_sync(0xffffffffu, G1, 31);
-    Gh[t0] = split_hi_lo(G0);
-    Gh[t0 + 1] = split_hi_lo(G1);
-    Ea[t0] = __expf(static_cast<float>(G0));
-    Ea[t0 + 1] = __expf(static_cast<float>(G1));
+    const GdnGatePrefix gp = gdn_gate_prefix(p.g, p.beta, tok0, L, HV, hv, lane, Gh, Ea);
+    const float b0 = gp.b0, b1 = gp.b1;
+    const double G0 = gp.G0, G1 = gp.G1, Gl = gp.Gl;
     Ck[t0] = b0 * __expf(static_cast<float>(Gl - G0));
     Ck[t0 + 1] = b1 * __expf(static_cast<float>(Gl - G1));
     Bs[t0] = b0;

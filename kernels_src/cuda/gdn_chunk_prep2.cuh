@@ -274,29 +274,9 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   gdn_stage<KP>(Ks, LDH, kg, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
   if (warp == 0) {
     const int t0 = 2 * lane;
-    float g0 = 0.f, g1 = 0.f, b0 = 0.f, b1 = 0.f;
-    if (t0 < L) {
-      g0 = __ldg(p.g + (tok0 + t0) * HV + hv);
-      b0 = __ldg(p.beta + (tok0 + t0) * HV + hv);
-    }
-    if (t0 + 1 < L) {
-      g1 = __ldg(p.g + (tok0 + t0 + 1) * HV + hv);
-      b1 = __ldg(p.beta + (tok0 + t0 + 1) * HV + hv);
-    }
-    double s = static_cast<double>(g0) + static_cast<double>(g1);
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const double o = __shfl_up_sync(0xffffffffu, s, d);
-      if (lane >= d) s += o;
-    }
-    double ex = __shfl_up_sync(0xffffffffu, s, 1);
-    if (lane == 0) ex = 0.0;
-    const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
-    const double Gl = __shfl_sync(0xffffffffu, G1, 31);
-    Gh[t0] = split_hi_lo(G0);
-    Gh[t0 + 1] = split_hi_lo(G1);
-    Ea[t0] = __expf(static_cast<float>(G0));
-    Ea[t0 + 1] = __expf(static_cast<float>(G1));
+    const GdnGatePrefix gp = gdn_gate_prefix(p.g, p.beta, tok0, L, HV, hv, lane, Gh, Ea);
+    const float b0 = gp.b0, b1 = gp.b1;
+    const double G0 = gp.G0, G1 = gp.G1, Gl = gp.Gl;
     Ck[t0] = b0 * __expf(static_cast<float>(Gl - G0));
     Ck[t0 + 1] = b1 * __expf(static_cast<float>(Gl - G1));
     Bs[t0] = b0;
