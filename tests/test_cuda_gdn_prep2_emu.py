@@ -13,25 +13,11 @@ blocks per SM, v fits q's tile). Runs without a GPU; it does not test the CUDA c
 import numpy as np
 import pytest
 
+# v1's emulation helpers (the workspace's fragment order, the A-fragment shuffle, the 20 lower tiles), as
+# test_cuda_kda_prep2_emu.py uses them
+from test_cuda_gdn_prep_emu import acc_to_afrag, lower_tile, unfrag
+
 C, SUB, LDA, LDV, VB, THREADS = 64, 16, 68, 136, 128, 256
-
-
-def frag_index(r, c, KD):
-    rr, cc = r & 15, c & 7
-    lane = ((rr & 7) << 2) | (cc & 3)
-    slot = (rr >> 3) | ((cc >> 2) << 1)
-    return ((((r >> 4) * (KD // 8) + (c >> 3)) << 5) + lane) * 4 + slot
-
-
-def acc_to_afrag(acc):
-    out = np.zeros((32, 4))
-    for lane in range(32):
-        s1 = (lane & ~3) | ((lane & 3) >> 1)
-        s2 = s1 + 2
-        odd = lane & 1
-        out[lane] = (acc[s1, 1 if odd else 0], acc[s1, 3 if odd else 2], acc[s2, 1 if odd else 0],
-                     acc[s2, 3 if odd else 2])
-    return out
 
 
 def ldsm_x4(flat, lane_addr):
@@ -146,14 +132,6 @@ def emu_s5_v2(T, X, Vm, KP):
     return w, u, wcount, ucount
 
 
-def unfrag(sec, R, KD):
-    out = np.zeros((R, KD))
-    for r in range(R):
-        for c in range(KD):
-            out[r, c] = sec[frag_index(r, c, KD)]
-    return out
-
-
 @pytest.mark.parametrize("KP,V", [(128, 128), (64, 64), (64, 30), (64, 37), (128, 80), (128, 200), (128, 256),
                                   (128, 8)])
 def test_s5_pairs_give_w_and_u0(KP, V):
@@ -181,11 +159,6 @@ def test_ldmatrix_rows_are_conflict_free_and_aligned():
                 assert all(x % 4 == 0 for x in addrs)
                 banks = sorted({(x % 32) // 4 for x in addrs})
                 assert banks == list(range(8))
-
-
-def lower_tile(job):
-    a = 0 if job < 2 else (1 if job < 6 else (2 if job < 12 else 3))
-    return a, job - a * (a + 1)
 
 
 def prep2_scr(i):
