@@ -10,8 +10,7 @@
 export NCCL_NVLS_ENABLE=0
 source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
-{ date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
-  python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } >> "$LOG" 2>&1
+log_machine "$LOG"
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-220} build_cuda 32
 echo "== build took ${BUILD_S}s" >> "$LOG"
 grep -E "Compiling entry|registers|spill" "$OUT/build.log" > "$OUT/ptxas.txt"

@@ -11,9 +11,7 @@ source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
 CALL_S=${CALL_S:-515}
 left() { echo $(( CALL_S - SECONDS )); }
-{ date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
-  python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)';
-  python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -1; } >> "$LOG" 2>&1
+log_machine "$LOG"
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-220} build_cuda 32
 echo "== build took ${BUILD_S}s" >> "$LOG"
 mkdir -p "$OUT/g0" "$OUT/g1"

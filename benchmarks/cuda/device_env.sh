@@ -25,3 +25,11 @@ build_cuda() {
   BUILD_S=$(( $(date +%s) - t0 ))
   echo "build took ${BUILD_S}s"
 }
+
+# log_machine FILE: the header of a device log -- date, the GPUs (driver, SM clock), nvcc, torch / CUDA / Triton, and
+# flash-linear-attention's version when its wheels are on the path -- appended to FILE.
+log_machine() {
+  { date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
+    python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)';
+    python3 -c 'import fla; print("fla", fla.__version__)' 2>&1 | tail -1; } >> "$1" 2>&1
+}

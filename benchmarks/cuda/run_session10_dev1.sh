@@ -4,8 +4,7 @@
 # kernels the session's helpers work on: GDN's and KDA's forward preps, KDA's backward prep v4 and grad3_ch2.
 source "$(dirname "$0")/device_env.sh"
 LOG="$OUT/all.log"
-{ date -u; nvidia-smi --query-gpu=index,name,driver_version,clocks.sm --format=csv; nvcc --version | tail -1;
-  python3 -c 'import torch,triton;print(torch.__version__, torch.version.cuda, triton.__version__)'; } >> "$LOG" 2>&1
+log_machine "$LOG"
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-250} build_cuda 16
 echo "== build took ${BUILD_S}s" >> "$LOG"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_backend.py -k captures > "$OUT/captures.log" 2>&1
