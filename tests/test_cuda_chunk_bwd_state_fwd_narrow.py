@@ -1,7 +1,7 @@
 """state_fwd3 narrow (KDA_CUDA_CHUNK_BWD_STATE_FWD=7; kernels_src/cuda/delta_chunk_bwd_state_fwd3.cuh with BV = 16
-value columns per block, single-buffered operands, two blocks per SM) against the default state_fwd3 (=4: BV = 32,
-double-buffered) and against autograd through the float64 reference (tests/ref_delta.py) at DESIGN.md section 6
-tolerances.
+value columns per block, single-buffered operands, two blocks per SM; the default since session 10) against the
+32-column state_fwd3 (=4: BV = 32, double-buffered, the default before; set explicitly) and against autograd through
+the float64 reference (tests/ref_delta.py) at DESIGN.md section 6 tolerances.
 
 Per state element the narrow kernel runs the default's arithmetic (same tf32 products in the same k order, same
 chains), so its gradients should match the default's to the last bit; the comparison allows fp32 rounding (1e-6

@@ -1,6 +1,6 @@
-"""The GDN prep kernel v2 of the chunked forward (KDA_CUDA_GDN_PREP=2, opt-in since session 10:
-kernels_src/cuda/gdn_chunk_prep2.cuh, three blocks per SM) against the default GDN prep (KDA_CUDA_GDN_PREP unset / 1,
-gdn_chunk_prep.cuh) and the float64 reference (tests/ref_delta.py).
+"""The GDN prep kernel v2 of the chunked forward (KDA_CUDA_GDN_PREP=2, the default since session 10:
+kernels_src/cuda/gdn_chunk_prep2.cuh, three blocks per SM) against v1 (KDA_CUDA_GDN_PREP=1, gdn_chunk_prep.cuh, set
+explicitly) and the float64 reference (tests/ref_delta.py).
 
 v2 writes the same workspace with the same products in the same order (S0-S4 are v1's code with another shared
 memory layout; S5 the same tf32 operands, conversions and accumulation order, in pairs of jobs): the workspace
@@ -38,9 +38,9 @@ FP16_CASES = ("T65", "extreme_gates", "varlen", "odd_kv", "odd_v", "cp_width_v25
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES_V2)
 def test_gdn_prep2_vs_default_and_reference(case, dtype, ws, monkeypatch):
-    """o and the final state with KDA_CUDA_GDN_PREP=1 (the default kernel) and =2 (v2) on the same inputs and
-    initial state: finite, equal to 1e-5 (state) / 1e-3 (o, bf16: room for a flipped rounding; the same workspace,
-    expected bit-equal), and both within DESIGN.md section 6 of the float64 reference."""
+    """o and the final state with KDA_CUDA_GDN_PREP=1 (v1, the default before session 10) and =2 (v2) on the same
+    inputs and initial state: finite, equal to 1e-5 (state) / 1e-3 (o, bf16: room for a flipped rounding; the same
+    workspace, expected bit-equal), and both within DESIGN.md section 6 of the float64 reference."""
     if dtype == torch.float16 and case not in FP16_CASES:
         pytest.skip("fp16 differs from bf16 only in the load conversion; a subset suffices")
     (o1, s1), (o2, s2) = fwd_per_knob("gdn", case, dtype, ws, KNOB, ("1", "2"), monkeypatch)
@@ -156,6 +156,6 @@ def test_gdn_prep2_cuda_graph(monkeypatch):
 
 
 def test_gdn_prep2_fp32_inputs_unchanged(monkeypatch):
-    """fp32 inputs keep the generic 3xTF32 prep whatever the knob says: =2 gives the default's bits."""
+    """fp32 inputs keep the generic 3xTF32 prep whatever the knob says: =2 gives =1's bits."""
     (o1, s1), (o2, s2) = fwd_per_knob("gdn", "T200", torch.float32, "ws_fp32", KNOB, ("1", "2"), monkeypatch)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)

@@ -2,9 +2,10 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep.cuh; KDA_CUDA_GDN_PREP=2, opt-in since
-// session 10: gdn_chunk_prep2.cuh, the same workspace with three blocks per SM), as does KDA (KDA_CUDA_KDA_PREP: 3, the
-// default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it without the split, 0.61 ms).
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep2.cuh, the default since session 10: the same
+// workspace as gdn_chunk_prep.cuh with three blocks per SM; KDA_CUDA_GDN_PREP=1 runs v1), as does KDA
+// (KDA_CUDA_KDA_PREP: 3, the default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it
+// without the split, 0.61 ms).
 // Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
 // Both variables are read at every call.
@@ -62,8 +63,8 @@ void launch_gdn_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// KDA_CUDA_GDN_PREP=2 (opt-in, session 10): gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh: the same workspace and
-// values, 69 KB of shared memory and <= 80 registers for three blocks per SM; the largest carveout for them).
+// KDA_CUDA_GDN_PREP=2 (the default since session 10): gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh: the same workspace
+// and values, 69 KB of shared memory and <= 80 registers for three blocks per SM; the largest carveout for them).
 template <int KP, typename T16>
 void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = GdnPrep2Smem<KP>::bytes;

@@ -169,9 +169,10 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // compiled-in default. KDA_CUDA_DEC_FUSE=1: the stage-1 K = V = 128 kernels with FUSE (o from pass 1, see
 // delta_decode_kernel; the default hints; KDA_CUDA_DEC_HINT is then ignored) for configurations 1-3 (several warps
 // per item: the K-first defaults; the one-warp cfg 0, the V-first default at large batches, keeps the default
-// kernel: FUSE spilled there). KDA_CUDA_DEC_LEAN=1 (session 10, default off; overrides KDA_CUDA_DEC_FUSE and
-// KDA_CUDA_DEC_HINT): the stage-1 K = V = 128 kernels with LEAN (fewer instructions per item: 32-bit item indices,
-// KDA gate exps once per row before the state arrives, reduce-scatter of o; see delta_decode_kernel), every cfg;
+// kernel: FUSE spilled there). KDA_CUDA_DEC_LEAN=1 (session 10; the default when KDA_CUDA_DEC_LEAN, _FUSE and _HINT
+// are unset, and set explicitly it overrides the other two): the stage-1 K = V = 128 kernels with LEAN (fewer
+// instructions per item: 32-bit item indices, KDA gate exps once per row before the state arrives, reduce-scatter of
+// o; see delta_decode_kernel), every cfg;
 // KDA_CUDA_DEC_LEAN=2: the same with more blocks per SM (dec_lean_minb: fp32 states 10, K-first 2-byte states 9;
 // V-first 2-byte states as =1).
 constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4;
@@ -196,8 +197,8 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   c.stage = stage >= 0 && stage <= 2 ? stage : 1;
   const int hint = env_int("KDA_CUDA_DEC_HINT", -1);
   c.flags = hint >= 0 ? hint & (kDecEvictFirstLoad | kDecStreamStore | kDecPrefetch256) : dec_default_hint(esize);
-  // LEAN=1 is the default since session 10 (fewer instructions per item; 0.5-6 % faster at B=256 / 64 for every
-  // pool kind in the candidate call, cuda_decode_session10.json); an explicit FUSE=1 or HINT still selects its
+  // LEAN=1 is the default since session 10 (fewer instructions per item; 0.5-6 % faster at B=256 / 64 for every pool
+  // kind in the candidate call, cuda_decode_session10_candidates.json); an explicit FUSE=1 or HINT still selects its
   // kernels when LEAN is unset, and LEAN=0 the session-8 kernels.
   const int lean = env_int("KDA_CUDA_DEC_LEAN", -1);
   c.var = lean == 1                              ? kDecVarLean

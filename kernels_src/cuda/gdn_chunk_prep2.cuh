@@ -1,5 +1,5 @@
-// GDN prep kernel v2 of the chunked forward (KDA_CUDA_GDN_PREP=2, opt-in): the same workspace as
-// gdn_chunk_prep_kernel (gdn_chunk_prep.cuh; WsLayout: w, q~, k~^T, A~, decay, u0 -- same values, the same
+// GDN prep kernel v2 of the chunked forward (KDA_CUDA_GDN_PREP=2, the default since session 10): the same workspace
+// as gdn_chunk_prep_kernel (gdn_chunk_prep.cuh; WsLayout: w, q~, k~^T, A~, decay, u0 -- same values, the same
 // products in the same order), laid out for three blocks per SM instead of two.
 //
 // Session 9's gdn_chunk_prep_kernel (0.30 ms at B1 T8192 H16 HV32 K=V=128 on the H200) moves about 155 KB per
