@@ -1,5 +1,5 @@
 """CPU emulation of the index math of the KDA backward prep v4 (kernels_src/cuda/delta_chunk_bwd_prep4.cuh,
-KDA_CUDA_CHUNK_BWD_PREP=4 with the 8x8 split of the diagonal blocks, =5 without).
+KDA_CUDA_CHUNK_BWD_PREP=4, with the 8x8 split of the diagonal blocks; =5, without, was retired in session 11).
 
 Replays thread by thread (lane by lane for the tensor-core fragments) what v4 writes: a = e^g in place and the
 sub-chunk gate sums (S1); per pass of 32 channels the build of the 64-row factor tables F / R (running products),
@@ -20,7 +20,7 @@ from test_cuda_kda_prep2_emu import P1Pairs, cross_tile, emu_cross_tiles
 C, SUB, PASS, KP = 64, 16, 32, 128
 
 
-def emu_bwd_prep4(q, k, g, beta, L, split8):
+def emu_bwd_prep4(q, k, g, beta, L):
     K = q.shape[1]
     NP = KP // PASS
     Qs, Ks, Gx = np.zeros((C, KP)), np.zeros((C, KP)), np.zeros((C, KP))
@@ -42,7 +42,7 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
         Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
         Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
     Pre, Ex = np.full((4, KP), np.nan), np.full((3, KP), np.nan)
-    p1 = P1Pairs(split8)
+    p1 = P1Pairs()
     acc2 = np.zeros((8, 3, 32, 4))
     accq = np.zeros((4, 32, 4))
 
@@ -62,7 +62,7 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
                     t = ba * SUB + i
                     P *= Gx[t, c]
                     Fs[t, bcl] = P
-                    if split8 and i >= 8:
+                    if i >= 8:
                         P8 *= Gx[t, c]
                         Hs[t, bcl] = P8
                     put(qgc, t * KP + c, Qs[t, c] * (epre * P))
@@ -76,12 +76,12 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
                     Rf[t, bcl] = S
                     put(kendc, t * KP + c, Ks[t, c] * (esuf * S))
                     S *= Gx[t, c]
-                    if split8 and i < 8:
+                    if i < 8:
                         Hs[t, bcl] = S8
                         S8 *= Gx[t, c]
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
-        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq)
+        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, acc2, accq)
         p1.accumulate(Qs, Ks, Gx, cp0)
 
     for t1, t2, j, vq1, vk1, vq2, vk2 in p1.results():  # results: P1
@@ -92,24 +92,23 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
         put(akk, t2 * C + j, vk2)
         assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
         Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
-    if split8:
-        for tid in range(256):  # upper-right quarters: zeros
-            a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
-            t, j = a * SUB + r, a * SUB + 8 + cc
-            put(aqk, t * C + j, 0.0)
-            put(akk, t * C + j, 0.0)
-            assert np.isnan(Ab[t, j])
-            Ab[t, j] = 0.0
-        for warp in range(4):  # the lower-left quarters from accq
-            for lane in range(32):
-                gq, t4 = lane >> 2, lane & 3
-                t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
-                put(aqk, t * C + j, accq[warp, lane, 0])
-                put(aqk, t * C + j + 1, accq[warp, lane, 1])
-                put(akk, t * C + j, accq[warp, lane, 2])
-                put(akk, t * C + j + 1, accq[warp, lane, 3])
-                assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
-                Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * Bs[j], accq[warp, lane, 3] * Bs[j + 1]
+    for tid in range(256):  # upper-right quarters: zeros
+        a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
+        t, j = a * SUB + r, a * SUB + 8 + cc
+        put(aqk, t * C + j, 0.0)
+        put(akk, t * C + j, 0.0)
+        assert np.isnan(Ab[t, j])
+        Ab[t, j] = 0.0
+    for warp in range(4):  # the lower-left quarters from accq
+        for lane in range(32):
+            gq, t4 = lane >> 2, lane & 3
+            t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
+            put(aqk, t * C + j, accq[warp, lane, 0])
+            put(aqk, t * C + j + 1, accq[warp, lane, 1])
+            put(akk, t * C + j, accq[warp, lane, 2])
+            put(akk, t * C + j + 1, accq[warp, lane, 3])
+            assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
+            Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * Bs[j], accq[warp, lane, 3] * Bs[j + 1]
     for warp in range(8):  # P2 tiles: prep3_store_tile
         for u in range(3):
             a, mat, nt = cross_tile(warp + 8 * u)
@@ -148,10 +147,9 @@ def emu_bwd_prep4(q, k, g, beta, L, split8):
                 glc=glc, Ab=Ab, X=X)
 
 
-@pytest.mark.parametrize("split8", [False, True], ids=["prep5", "prep4_split8"])
 @pytest.mark.parametrize("K,L,gates", [(128, 64, "normal"), (128, 64, "extreme"), (64, 37, "extreme"),
                                        (40, 64, "div10"), (128, 1, "normal"), (96, 50, "div0.1")])
-def test_bwd_prep4_against_float64(K, L, gates, split8):
+def test_bwd_prep4_against_float64(K, L, gates):
     rng = np.random.default_rng(K + 3 * L + len(gates))
     q = rng.standard_normal((C, K)) / np.sqrt(K)
     k = rng.standard_normal((C, K))
@@ -166,7 +164,7 @@ def test_bwd_prep4_against_float64(K, L, gates, split8):
         g = g / 0.1
     beta = rng.uniform(size=C)
     with np.errstate(under="ignore"):
-        out = emu_bwd_prep4(q, k, g, beta, L, split8)
+        out = emu_bwd_prep4(q, k, g, beta, L)
     for name in ("aqk", "akk", "qgc", "kendc", "glc"):
         assert not np.isnan(out[name]).any(), f"{name}: an element was never written"
         assert np.isfinite(out[name]).all(), f"{name}: inf"

@@ -169,24 +169,25 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
 
 
-# knob values whose kernels were retired in sessions 9 and 10 (docs/cuda.md, "Retired kernels"): refused at the call
+# knob values whose kernels were retired in sessions 9 to 11 (docs/cuda.md, "Retired kernels"): refused at the call
 RETIRED_BWD = ["STATE=1", "GRAD=1", "GRAD=2", "CH=1", "PREP=1", "PREP=3", "STATE_FWD=5", "STATE_BWD=5",
-               "STATE_BWD=6", "CH=4"]
+               "STATE_BWD=6", "CH=4", "PREP=5", "STATE_FWD=4", "CH=3", "WY=3"]
 
 
 @pytest.mark.parametrize("knob", RETIRED_BWD)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_retired_bwd_knob_values_are_refused(family, knob, monkeypatch):
-    # (PREP=3: KDA's prep v3 only; GDN's prep v3 is its default prep, test_gdn_bwd_prep4_is_prep3)
-    if knob == "PREP=3" and family == "gdn":
+    # (PREP=3 / 5: KDA's prep v3 / v4 without the split only; GDN runs its prep v3, its default, for every value
+    # but 2: test_gdn_bwd_prep4_is_prep3)
+    if knob in ("PREP=3", "PREP=5") and family == "gdn":
         pytest.skip("GDN's prep v3 stays (its default bf16/fp16 prep)")
     name, val = knob.split("=")
     monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
     q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
     do = torch.randn_like(v)
-    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10)"):
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10|11)"):
         getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
-    with pytest.raises(RuntimeError, match="retired in session (9|10)"):
+    with pytest.raises(RuntimeError, match="retired in session (9|10|11)"):
         getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None)
 
 
@@ -267,27 +268,6 @@ def test_chunk_bwd_prep3_fp16_matches_prep2(family, case, monkeypatch):
         assert_close(name, y.double().cpu(), x.double().cpu(), 0.004 if name in ("dq", "dk", "dv") else 1e-4)
 
 
-CH2_CASES = ["varlen_empty", "gva_4x", "odd_dims", "T1000", "T200_gates_50", "T200_gates_50_rows", "T200_gates_1e4"]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CH2_CASES)
-@pytest.mark.parametrize("knob", ["CH=3"])
-def test_chunk_bwd_ch2_matches_ch1(case, dtype, knob, monkeypatch):
-    # KDA's per-channel grad stage: grad3_ch2 (the default, delta_chunk_bwd_grad3_ch2.cuh: clusters of 4 blocks of
-    # 32 channels, dbeta summed over the cluster) against its own 128-register instance (=3; grad3_ch_kernel, CH=1,
-    # was retired in session 9: test_chunk_bwd_ch2_reference checks against the float64 reference); same fp32
-    # quantities, only the summation order differs. Varlen with empty
-    # sequences, GVA, odd K (channel groups past K), 16 chunks, gates at -50 (products underflow) and -1e4 (e^g = 0)
-    # mixed with ordinary ones; initial state and grad of the final state throughout
-    a, b = bwd_default_and_knob("kda", case, dtype, 23, knob, monkeypatch)
-    tol = 2e-5 if dtype == torch.float32 else 0.008  # bf16: dq, dk, dv are rounded to bf16 after the fp32 math
-    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
-        assert torch.isfinite(x).all(), name
-        assert torch.isfinite(y).all(), name
-        assert_close(name, y.double().cpu(), x.double().cpu(), 2e-5 if name in ("dg", "dbeta", "dh0") else tol)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", ["varlen_empty", "gva_4x", "T200_gates_50", "T200_gates_50_rows"])
 def test_chunk_bwd_ch2_reference(case, dtype):
@@ -361,22 +341,18 @@ def test_grad3_wy2_reference(family, case, dtype, monkeypatch):
     _run(family, case, DTYPES[dtype])
 
 
-PREP4_VERSIONS = pytest.mark.parametrize("version", ["4", "5"], ids=["prep4_split8", "prep4"])
-
-
-@PREP4_VERSIONS
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["random_T65", "T1", "T63", "T200_correlated", "T1000", "gate_div_0.1",
                                   "gate_div_10", "extreme_gates", "extreme_gates_mild", "extreme_gates_1e4", "gva_4x",
                                   "varlen_empty", "odd_dims", "v256_blocks", "v200_blocks_varlen"])
-def test_kda_bwd_prep4_reference(case, dtype, version, monkeypatch):
-    # the KDA backward prep v4 (delta_chunk_bwd_prep4.cuh; KDA_CUDA_CHUNK_BWD_PREP=4 with the 8x8 split, =5 without;
-    # bf16/fp16 inputs only, fp32 runs the SIMT prep either way) with the other kernels at their defaults, against
+def test_kda_bwd_prep4_reference(case, dtype, monkeypatch):
+    # the KDA backward prep v4 (delta_chunk_bwd_prep4.cuh; KDA_CUDA_CHUNK_BWD_PREP=4, with the 8x8 split; =5, without,
+    # was retired in session 11; bf16/fp16 inputs only, fp32 runs the SIMT prep either way) with the other kernels at their defaults, against
     # autograd through the float64 reference at DESIGN.md section 6 tolerances, with initial state and grad of the
     # final state (as test_chunk_bwd). extreme_gates_1e4: extreme_gates' -20 gates at -1e4 (e^g = 0 exactly)
     if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "extreme_gates_1e4", "varlen_empty", "gva_4x"):
         pytest.skip("fp16 differs from bf16 only in the q / k conversion; a subset suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", version)
+    monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "4")
     if case == "extreme_gates_1e4":
         _run("kda", "extreme_gates", DTYPES[dtype], g_fill=-1e4)
     else:
@@ -385,10 +361,9 @@ def test_kda_bwd_prep4_reference(case, dtype, version, monkeypatch):
         _run("kda", case, DTYPES[dtype], with_state=False)
 
 
-@PREP4_VERSIONS
 @pytest.mark.parametrize("case", ["varlen_empty", "odd_dims", "v200_blocks_varlen", "gva_4x", "T200_gates_1e4",
                                   "T200_gates_50_rows", "T200_bf16", "T1000"])
-def test_kda_bwd_prep4_matches_prep2(case, version, monkeypatch):
+def test_kda_bwd_prep4_matches_prep2(case, monkeypatch):
     # prep v4 against the fp32 SIMT prep (KDA_CUDA_CHUNK_BWD_PREP=2, set explicitly; its session-8 partner, prep v3,
     # was retired in session 9) in the whole backward, bf16 inputs, extreme gates (bwd_default_and_knob: 30 % at
     # -20; T200_gates_1e4 at -1e4, T200_gates_50_rows at -50 plus whole tokens): both form every gate factor
@@ -396,22 +371,21 @@ def test_kda_bwd_prep4_matches_prep2(case, version, monkeypatch):
     # test_chunk_bwd_grad_v1_matches_v2), dq, dk, dv to their bf16 rounding; and the two really differ in rounding
     # somewhere (the knob selects another kernel)
     monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "2")
-    a, b = bwd_default_and_knob("kda", case, torch.bfloat16, 29, f"PREP={version}", monkeypatch)
+    a, b = bwd_default_and_knob("kda", case, torch.bfloat16, 29, "PREP=4", monkeypatch)
     for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
         assert torch.isfinite(x).all(), name
         assert torch.isfinite(y).all(), name
         assert_close(name, y.double().cpu(), x.double().cpu(), 1e-4 if name in ("dg", "dbeta", "dh0") else 0.008)
     assert any(not torch.equal(x, y) for x, y in zip(a, b)), \
-        f"KDA_CUDA_CHUNK_BWD_PREP={version} gave bit-identical gradients: the knob had no effect?"
+        "KDA_CUDA_CHUNK_BWD_PREP=4 gave bit-identical gradients: the knob had no effect?"
 
 
 def test_gdn_bwd_prep4_is_prep3(monkeypatch):
-    # GDN has no prep v4: KDA_CUDA_CHUNK_BWD_PREP=4 / 5 run its prep v3, bit for bit
+    # GDN has no prep v4: KDA_CUDA_CHUNK_BWD_PREP=4 (and 3, refused for KDA only) run its prep v3, bit for bit
     monkeypatch.setenv("KDA_CUDA_CHUNK_BWD_PREP", "3")
     a, b = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=4", monkeypatch)
-    _, c = bwd_default_and_knob("gdn", "varlen_empty", torch.bfloat16, 31, "PREP=5", monkeypatch)
-    for name, x, y, z in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b, c):
-        assert torch.equal(x, y) and torch.equal(x, z), name
+    for name, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), a, b):
+        assert torch.equal(x, y), name
 
 
 def _ulps(x, y, dtype):

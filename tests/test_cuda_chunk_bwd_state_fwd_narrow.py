@@ -1,12 +1,13 @@
 """state_fwd3 narrow (KDA_CUDA_CHUNK_BWD_STATE_FWD=7; kernels_src/cuda/delta_chunk_bwd_state_fwd3.cuh with BV = 16
 value columns per block, single-buffered operands, two blocks per SM; the default since session 10) against the
-32-column state_fwd3 (=4: BV = 32, double-buffered, the default before; set explicitly) and against autograd through
-the float64 reference (tests/ref_delta.py) at DESIGN.md section 6 tolerances.
+32-column state_fwd3 with 3xTF32 products (=3: BV = 32, double-buffered; set explicitly), against the one-call
+backward from the staged op, and against autograd through the float64 reference (tests/ref_delta.py) at DESIGN.md
+section 6 tolerances. (Its session-10 partner, the 32-column instance with the same tf32 products, =4, the default
+before, was retired in session 11: test_retired_bwd_knob_values_are_refused.)
 
-Per state element the narrow kernel runs the default's arithmetic (same tf32 products in the same k order, same
-chains), so its gradients should match the default's to the last bit; the comparison allows fp32 rounding (1e-6
-relative RMS for the fp32 outputs, one bf16 / fp16 ulp for dq, dk, dv) should the compiler schedule a product
-differently. Cases: varlen with empty sequences, GVA, odd K / V (V = 30: a partial second 16-column block), T not a
+Against =3 the narrow kernel's tf32 products (10-bit mantissas) move the fp32 outputs dg, dbeta by up to ~7e-5
+relative RMS (H200, session 6, tf32 against state_fwd2), so 1e-3 there (as STATE_FWD=2 in
+test_cuda_chunk_bwd.py's test_chunk_bwd_grad_v1_matches_v2), and dq, dk, dv (bf16 / fp16 outputs) to 0.008. Cases: varlen with empty sequences, GVA, odd K / V (V = 30: a partial second 16-column block), T not a
 multiple of 64, 16 chunks (the single buffers cycle), gates at -50 (whole rows) / -1e4 mixed with ordinary ones,
 initial state and grad of the final state (and neither), V > 128 (column blocks), the staged op, bf16 and fp16
 (fp32 inputs run state_fwd2 for every value). Needs a CUDA GPU: without one the module is skipped with the reason.
@@ -39,15 +40,15 @@ KNOB_CASES = ["random_T65", "T1", "T63", "varlen_empty", "gva_4x", "odd_dims", "
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", KNOB_CASES)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_state_fwd_narrow_matches_default(family, case, dtype, monkeypatch):
-    # STATE_FWD=7 against the default state_fwd3 (STATE_FWD=4, set explicitly so that a changed default cannot turn
-    # this into a self-comparison), same inputs and cotangents
-    monkeypatch.setenv(KNOB, "4")
+def test_state_fwd_narrow_matches_3xtf32(family, case, dtype, monkeypatch):
+    # STATE_FWD=7 against the 32-column state_fwd3 with 3xTF32 products (STATE_FWD=3, set explicitly), same inputs
+    # and cotangents
+    monkeypatch.setenv(KNOB, "3")
     a, b = bwd_default_and_knob(family, case, dtype, 23, "STATE_FWD=7", monkeypatch)
     for name, x, y in zip(NAMES, a, b):
         assert torch.isfinite(x).all(), name
         assert torch.isfinite(y).all(), name
-        tol = 0.004 if name in ("dq", "dk", "dv") else 1e-6
+        tol = 0.008 if name in ("dq", "dk", "dv") else 1e-3
         assert_close(f"{family} {case} {name}", x.double().cpu(), y.double().cpu(), tol)
 
 
@@ -73,7 +74,8 @@ def test_state_fwd_narrow_without_state(family, monkeypatch):
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_state_fwd_narrow_staged(family, monkeypatch):
     # the staged op (prep, state_fwd, state_bwd, grad in four calls; the knob is read at stage 0) with STATE_FWD=7
-    # against the one-call backward with the default STATE_FWD=4, varlen with empty sequences and GVA
+    # against the one-call backward with STATE_FWD=7 (the same kernels: equal to fp32 rounding), varlen with empty
+    # sequences and GVA
     cu_list = [0, 0, 17, 17, 90, 91, 200]
     cu = torch.tensor(cu_list, dtype=torch.long, device="cuda")
     q, k, v, g, beta = make_inputs(family, H=2, HV=4, dtype=torch.bfloat16, seed=29, extreme=True, cu=cu_list)
@@ -83,9 +85,8 @@ def test_state_fwd_narrow_staged(family, monkeypatch):
     dht = torch.randn(N, HV, K, V, generator=gen).cuda()
     do = torch.randn(*v.shape, generator=gen).cuda().to(v.dtype)
     x = (q, k, v, g, beta, K ** -0.5)
-    monkeypatch.setenv(KNOB, "4")
-    a = getattr(OPS, f"{family}_chunk_bwd")(*x, h0, cu, do, dht)
     monkeypatch.setenv(KNOB, "7")
+    a = getattr(OPS, f"{family}_chunk_bwd")(*x, h0, cu, do, dht)
     stage = getattr(OPS, f"{family}_chunk_bwd_stage")
     work = stage([], 0, *x, None, cu, do, None)
     assert stage(work, 1, *x, h0, cu, do, None) == []
@@ -97,12 +98,12 @@ def test_state_fwd_narrow_staged(family, monkeypatch):
         assert_close(f"{family} staged {name}", x.double().cpu(), y.double().cpu(), tol)
 
 
-@pytest.mark.parametrize("knob", ["4", "7"])
+@pytest.mark.parametrize("knob", ["3", "7"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_state_fwd_narrow_runs_under_its_knob(family, knob, monkeypatch):
     # the knob really selects the kernel (matching results cannot show it): the state_fwd3 instance with 16 columns
-    # and single buffers (template arguments <PC, false, 16, false>) with STATE_FWD=7, the default instance (<PC,
-    # false, 32, true>) with 4; bf16 inputs. fp32 inputs run state_fwd2_kernel under either value.
+    # and single buffers (template arguments <PC, false, 16, false>) with STATE_FWD=7, the 3xTF32 instance (<PC,
+    # true, 32, true>) with 3; bf16 inputs. fp32 inputs run state_fwd2_kernel under either value.
     monkeypatch.setenv(KNOB, knob)
 
     def names(dtype):

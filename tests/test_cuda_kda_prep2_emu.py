@@ -20,20 +20,19 @@ C, SUB, PASS = 64, 16, 32
 
 class P1Pairs:
     """P1 of the KDA preps (kda_chunk_prep2.cuh, delta_chunk_bwd_prep4.cuh share it): the in-sub-chunk pairs (t, j)
-    of each diagonal block (NB = 16, or 8 with the split) with running products, thread tid's map, its partial
+    of each diagonal block (NB = 8: the 8x8 split) with running products, thread tid's map, its partial
     sums per pass (branch-free: f stays 1 outside the triangle), warp_sum_below<8> and the triangle's results."""
 
-    def __init__(self, split8):
-        self.split8 = split8
-        self.NB = NB = 8 if split8 else SUB
+    def __init__(self):
+        self.NB = NB = 8
         self.NH = NH = NB // 2
         self.q1, self.k1 = np.zeros((256, NH)), np.zeros((256, NH))
         self.q2, self.k2 = np.zeros((256, NB)), np.zeros((256, NB))
 
     def map(self, tid):
         cg, a1 = tid & 7, tid >> 6
-        rp = ((tid & 31) >> 3) if self.split8 else ((tid >> 3) & 7)
-        j0 = a1 * SUB + (((tid >> 5) & 1) * self.NB if self.split8 else 0)
+        rp = (tid & 31) >> 3
+        j0 = a1 * SUB + ((tid >> 5) & 1) * self.NB
         return cg, rp, j0, j0 + rp, j0 + self.NB - 1 - rp
 
     def accumulate(self, Qs, Ks, Gx, cp0):
@@ -90,7 +89,7 @@ def cross_tile(tile):
     return a, mat, local - mat * 2 * a
 
 
-def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
+def emu_kda_prep2(q, k, g, beta, scale, KP, L):
     K = q.shape[1]
     NP = KP // PASS
     Qs, Ks, Gx = np.zeros((C, KP)), np.zeros((C, KP)), np.zeros((C, KP))
@@ -112,9 +111,9 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
         Tot[b, c] = np.sum(Gx[b * SUB:(b + 1) * SUB, c])
         Gx[b * SUB:(b + 1) * SUB, c] = np.exp(Gx[b * SUB:(b + 1) * SUB, c])
     Pre, Suf, Ex = np.full((4, KP), np.nan), np.full((4, KP), np.nan), np.full((3, KP), np.nan)
-    p1 = P1Pairs(split8)
+    p1 = P1Pairs()
     acc2 = np.zeros((8, 3, 32, 4))
-    accq = np.zeros((4, 32, 4))  # split8, warps 0-3
+    accq = np.zeros((4, 32, 4))  # the lower-left 8x8 quarters, warps 0-3
 
     for ps in range(NP):
         cp0 = ps * PASS
@@ -134,7 +133,7 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
                     t = ba * SUB + i
                     P *= Gx[t, c]
                     Fs[t, bcl] = P
-                    if split8 and i >= 8:
+                    if i >= 8:
                         P8 *= Gx[t, c]
                         Hs[t, bcl] = P8
                 if ba == 3:
@@ -150,12 +149,12 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
                     t = ba * SUB + i
                     Rf[t, bcl] = S
                     S *= Gx[t, c]
-                    if split8 and i < 8:
+                    if i < 8:
                         Hs[t, bcl] = S8
                         S8 *= Gx[t, c]
                 if ba == 0:
                     Ex[0, c], Ex[1, c], Ex[2, c] = np.exp(tb[1]), np.exp(tb[2]), np.exp(tb[1] + tb[2])
-        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq)
+        emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, acc2, accq)
         for tid in range(256):  # W
             for r in range(4):
                 it = tid + r * 256
@@ -190,19 +189,18 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
         put(ws_aqk, frag_index(t2, j, C), scale * vq2 * bj)
         assert np.isnan(Ab[t1, j]) and np.isnan(Ab[t2, j])
         Ab[t1, j], Ab[t2, j] = vk1 * bj, vk2 * bj
-    if split8:
-        for tid in range(256):  # the upper-right quarter of each diagonal block of A~: zero
-            a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
-            put(ws_aqk, frag_index(a * SUB + r, a * SUB + 8 + cc, C), 0.0)
-        for warp in range(4):  # the lower-left quarter
-            for lane in range(32):
-                gq, t4 = lane >> 2, lane & 3
-                t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
-                b0, b1 = Bs[j], Bs[j + 1]
-                put(ws_aqk, frag_index(t, j, C), scale * (accq[warp, lane, 0] * b0))
-                put(ws_aqk, frag_index(t, j + 1, C), scale * (accq[warp, lane, 1] * b1))
-                assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
-                Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * b0, accq[warp, lane, 3] * b1
+    for tid in range(256):  # the upper-right quarter of each diagonal block of A~: zero
+        a, r, cc = tid >> 6, (tid >> 3) & 7, tid & 7
+        put(ws_aqk, frag_index(a * SUB + r, a * SUB + 8 + cc, C), 0.0)
+    for warp in range(4):  # the lower-left quarter
+        for lane in range(32):
+            gq, t4 = lane >> 2, lane & 3
+            t, j = warp * SUB + 8 + gq, warp * SUB + 2 * t4
+            b0, b1 = Bs[j], Bs[j + 1]
+            put(ws_aqk, frag_index(t, j, C), scale * (accq[warp, lane, 0] * b0))
+            put(ws_aqk, frag_index(t, j + 1, C), scale * (accq[warp, lane, 1] * b1))
+            assert np.isnan(Ab[t, j]) and np.isnan(Ab[t, j + 1])
+            Ab[t, j], Ab[t, j + 1] = accq[warp, lane, 2] * b0, accq[warp, lane, 3] * b1
     for warp in range(8):
         for u in range(3):
             a, mat, nt = cross_tile(warp + 8 * u)
@@ -248,9 +246,9 @@ def emu_kda_prep2(q, k, g, beta, scale, KP, L, split8=False):
     return dict(qg=ws_qg, kg=ws_kg, aqk=ws_aqk, decay=decay, Ab=Ab, X=X)
 
 
-def emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq):
+def emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, acc2, accq):
     """One 32-channel pass of P2 (the cross-sub-chunk tiles of A_qk / A_kk over the pass's 64-row factor tables F /
-    R and the cross factors Ex) and, with split8, of the lower-left 8x8 quarter of each diagonal block (tables H),
+    R and the cross factors Ex) and of the lower-left 8x8 quarter of each diagonal block (tables H),
     lane by lane into the mma accumulators acc2 [8 warps, 3, 32 lanes, 4] and accq [4, 32, 4]. The forward prep v2
     and the backward prep v4 (tests/test_cuda_bwd_prep4_emu.py) run the same code here."""
     for warp in range(8):  # P2
@@ -280,7 +278,7 @@ def emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq):
                     gq, t4 = lane >> 2, lane & 3
                     acc2[warp, u, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4],
                                             D[gq + 8, 2 * t4 + 1])
-    for warp in range(4 if split8 else 0):  # split8: the lower-left 8x8 quarter of sub-chunk `warp`
+    for warp in range(4):  # the lower-left 8x8 quarter of sub-chunk `warp`
         for s in range(PASS // 8):
             At, Bt = np.full((16, 8), np.nan), np.full((8, 8), np.nan)
             for lane in range(32):
@@ -298,10 +296,9 @@ def emu_cross_tiles(Qs, Ks, Fs, Rf, Hs, Ex, cp0, split8, acc2, accq):
                 accq[warp, lane] += (D[gq, 2 * t4], D[gq, 2 * t4 + 1], D[gq + 8, 2 * t4], D[gq + 8, 2 * t4 + 1])
 
 
-@pytest.mark.parametrize("split8", [False, True], ids=["v2", "split8"])
 @pytest.mark.parametrize("K,L,gates", [(128, 64, "normal"), (128, 64, "extreme"), (64, 37, "extreme"),
                                        (40, 64, "div10"), (128, 1, "normal"), (96, 50, "div0.1")])
-def test_kda_prep2_against_float64(K, L, gates, split8):
+def test_kda_prep2_against_float64(K, L, gates):
     rng = np.random.default_rng(K + L + len(gates))
     KP = 64 if K <= 64 else 128
     q = rng.standard_normal((C, K)) / np.sqrt(K)
@@ -318,7 +315,7 @@ def test_kda_prep2_against_float64(K, L, gates, split8):
     beta = rng.uniform(size=C)
     scale = K ** -0.5
     with np.errstate(under="ignore"):
-        ws = emu_kda_prep2(q, k, g, beta, scale, KP, L, split8)
+        ws = emu_kda_prep2(q, k, g, beta, scale, KP, L)
     for name in ("qg", "kg", "aqk", "decay"):
         assert not np.isnan(ws[name]).any(), f"{name}: an element was never written"
         assert np.isfinite(ws[name]).all(), f"{name}: inf"
@@ -339,8 +336,8 @@ def test_kda_prep2_against_float64(K, L, gates, split8):
         for a in range(4):
             low[a * SUB:(a + 1) * SUB, :(a + 1) * SUB] = True
         np.testing.assert_allclose(unfrag(ws["aqk"], C, C), Aqk, atol=1e-12, rtol=1e-9)
-        if split8:  # the upper-right quarter of a diagonal block of A_kk is never written (nor read: the inverse
-            low &= np.tri(C, C, -1, dtype=bool)  # reads the strictly lower triangle)
+        # the upper-right quarter of a diagonal block of A_kk is never written (nor read: the inverse reads the
+        low &= np.tri(C, C, -1, dtype=bool)  # strictly lower triangle)
         np.testing.assert_allclose(ws["Ab"][low], Akk[low], atol=1e-12, rtol=1e-9)
         np.testing.assert_allclose(unfrag(ws["qg"], C, KP), scale * qz * np.exp(G), atol=1e-12, rtol=1e-9)
         np.testing.assert_allclose(unfrag(ws["kg"], KP, C), (kz * bz[:, None] * suffix).T, atol=1e-12, rtol=1e-9)

@@ -53,15 +53,11 @@ KNOB_SWEEPS = [
     ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False,
      "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
      "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block)"),
-    ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
-     "2 kda_chunk_prep2, 3 it with the 8x8 split, the default for bf16/fp16 inputs (0, the generic prep, and 1, "
-     "kda_chunk_prep v1: retired in session 9, refused)"),
-    ("--gdn-prep", "KDA_CUDA_GDN_PREP", "fwd", "fwd_gdn_prep", "gdn",
-     "1 gdn_chunk_prep, the default for bf16/fp16 inputs, 2 gdn_chunk_prep2 (session 10: the same workspace, three "
-     "blocks per SM, S5 in job pairs with ldmatrix) (0, the generic prep: retired in session 9, refused)"),
+    # (--kda-prep / --gdn-prep: KDA_CUDA_KDA_PREP / KDA_CUDA_GDN_PREP have only their defaults left since session
+    # 11, KDA 3 and GDN 2; the other values' kernels were retired and are refused)
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
-     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 4 state_fwd3 tf32, the default for bf16/fp16 inputs, 7 "
-     "state_fwd3 tf32 narrow: 16 value columns per block, twice the blocks, two per SM (5: retired, refused)"),
+     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
+     "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
@@ -69,14 +65,13 @@ KNOB_SWEEPS = [
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs, 5 it without "
-     "(GDN: every value but 2 runs its prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, refused)"),
-    ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", False,
-     "2 grad3_ch2 (KDA) / grad3_gdn (GDN), the defaults, 3 grad3_ch2's 128-register instance (1, grad3_ch_kernel: "
-     "retired in session 9, refused)"),
+     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs (GDN: every "
+     "value but 2 runs its prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the "
+     "split, in session 11; refused)"),
+    # (--bwd-ch: KDA_CUDA_CHUNK_BWD_CH has only its default, 2, left since session 11; 1, 3, 4 are refused)
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
-     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default, 3 it with plain "
-     "tf32 for bf16 inputs"),
+     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default (3, it with "
+     "plain tf32 for bf16 inputs: retired in session 11, refused)"),
     ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
      "0 the GVA reduce of dq, dk in torch, the default, 1 gva_reduce_kernel (one launch for both)"),
     ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,

@@ -1,6 +1,7 @@
 """Accuracy of the backward's state_fwd kernels (KDA_CUDA_CHUNK_BWD_STATE_FWD = 2 fp32 SIMT, 3 tensor cores 3xTF32,
-4 tensor cores tf32) with bf16 inputs: relative RMS error (DESIGN.md section 6) of every gradient against autograd
-through the float64 reference (tests/ref_delta.py), and of modes 3 / 4 against mode 2, one JSON line per (family,
+7 tensor cores tf32 with 16 columns per block, the default; 4, tf32 with 32 columns, was retired in session 11) with
+bf16 inputs: relative RMS error (DESIGN.md section 6) of every gradient against autograd through the float64
+reference (tests/ref_delta.py), and of modes 3 / 7 against mode 2, one JSON line per (family,
 case, mode). Needs a CUDA GPU and the built CUDA variant (as tests/test_cuda_chunk_bwd.py)."""
 import json
 import os
@@ -26,7 +27,7 @@ def main():
         for case, spec in CASES.items():
             q, k, v, g, beta, h0, dht, do, scale, ref = case_inputs(family, spec)
             outs = {}
-            for mode in ("2", "3", "4"):
+            for mode in ("2", "3", "7"):
                 os.environ["KDA_CUDA_CHUNK_BWD_STATE_FWD"] = mode
                 outs[mode] = [x.cpu() for x in getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, scale, h0, None,
                                                                                     do, dht)]

@@ -1,7 +1,7 @@
 // grad3_ch2 (issue #7): the per-channel stage of the split grad v3 (grad3_ch_kernel in delta_chunk_bwd.cuh: C1
 // and C2 of grad2, dRg . k into dbeta) for KDA, restructured so that several small blocks share an SM and no
-// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =1 runs
-// grad3_ch_kernel). Same inputs (gdqg, gdkend, gdw = dR_w, gdgl, aqk = dA_qk, akk = dA_kk, beta, dbeta of
+// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =1, grad3_ch_kernel,
+// retired in session 9). Same inputs (gdqg, gdkend, gdw = dR_w, gdgl, aqk = dA_qk, akk = dA_kk, beta, dbeta of
 // grad3_wy, q, k, g) and the same outputs (dq, dk, dg, dbeta += dRg . k), same exactness rules: fp32, every decay
 // factor a running product of a_i <= 1 (no exp of a difference, no division, any gate magnitude), dg formed
 // directly (no term added and later subtracted); only the fp32 summation order differs.
@@ -13,7 +13,8 @@
 // Shared memory (~47 KB; 4 blocks would fit, the 168 registers of the default instance allow 3 per SM): q, k,
 // a = e^g of the block's 64 x 32 tile, the 10 16 x 16 blocks on or below the diagonal of dA_qk and dA_kk
 // (cp.async), and a few per-channel exchange values. Two block barriers, two cluster barriers.
-// H200, B1 T8192 H16 HV32 K=V=128 bf16 (session 7): 0.93 ms against grad3_ch_kernel's 2.99 (MINB = 4: 0.99).
+// H200, B1 T8192 H16 HV32 K=V=128 bf16 (session 7): 0.93 ms against grad3_ch_kernel's 2.99 (capped for 4 blocks
+// per SM: 0.99; retired).
 //  C1 (per thread, its 16 rows, one exchange of the sub-block totals): with gam_t = prod of a over w's rows up to
 //    t, ee_t = prod over w's rows after t, G_b the total of sub-block b, P_w = prod_{b<w} G_b, S_w = prod_{b>w}
 //    G_b: Gam_t = P_w gam_t, Eend_t = ee_t S_w; dq = dQG Gam, dRg = dR_w Gam, dk = dKend Eend + beta dRg,
@@ -59,10 +60,11 @@ constexpr size_t kCh2Smem = sizeof(Ch2Smem);
 
 __host__ __device__ constexpr int ch2_blk(int B, int b) { return B * (B + 1) / 2 + b; }
 
-// MINB: blocks per SM the registers are capped for (3: 168 registers, no spills, the default; 4: 128 registers,
-// some spills, KDA_CUDA_CHUNK_BWD_CH=3, kept to measure); the shared memory fits 4 either way.
-template <bool PC, int MINB>
-__global__ void __launch_bounds__(kCh2Threads, MINB) grad3_ch2_kernel(Params p) {
+// Registers capped for 3 blocks per SM (168; nvcc 13.0 sm_90a spills 24 bytes); the shared memory would fit 4: the
+// instance capped for 4 (128 registers, more spills; 0.99 ms against 0.93, KDA_CUDA_CHUNK_BWD_CH=3) was retired in
+// session 11.
+template <bool PC>
+__global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   const int cid = blockIdx.x / kCh2Groups, grp = blockIdx.x % kCh2Groups, hv = blockIdx.y;
@@ -394,8 +396,8 @@ __global__ void __launch_bounds__(kCh2Threads, MINB) grad3_ch2_kernel(Params p) 
 
 // Launch: grid (chunks x 4 channel groups, HV), clusters of the 4 groups of a chunk.
 template <bool PC>
-void launch_grad3_ch2(int64_t nc_max, int HV, const Params& p, cudaStream_t st, bool minb4) {
-  auto kern = minb4 ? grad3_ch2_kernel<PC, 4> : grad3_ch2_kernel<PC, 3>;
+void launch_grad3_ch2(int64_t nc_max, int HV, const Params& p, cudaStream_t st) {
+  auto kern = grad3_ch2_kernel<PC>;
   allow_dynamic_smem(kern, kCh2Smem, /*max_carveout=*/true);  // several blocks per SM
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(nc_max * kCh2Groups), static_cast<unsigned>(HV));

@@ -1,6 +1,6 @@
 // grad3_wy2 (issue #7): the WY backward of the split grad v3 on tensor cores, replacing grad3_wy_kernel
-// (KDA_CUDA_CHUNK_BWD_WY=2, the default; =1 runs grad3_wy, kept to compare; =3 this kernel with plain tf32
-// products for bf16 inputs, kept to measure). Same inputs and outputs (see the comment above grad3_vc_kernel in
+// (KDA_CUDA_CHUNK_BWD_WY=2, the default; =1 runs grad3_wy, kept to compare; =3, this kernel with plain tf32
+// products for bf16 inputs, was retired in session 11). Same inputs and outputs (see the comment above grad3_vc_kernel in
 // delta_chunk_bwd.cuh), per (chunk, value head), with L = Diag(beta) A_kk (strictly lower), X = [u | w] and
 // dX = [dU | dw] (64 x (V + K)):
 //   dR = (I + L)^{-T} dX = T^T dX,  T = (I + L)^{-1};  dL = -dR X^T (strictly lower);
@@ -73,18 +73,15 @@ struct Wy2Pair<__half> {
   static __device__ __forceinline__ type from(float a, float b) { return __floats2half2_rn(a, b); }
 };
 
-// c += a b (3xTF32 when PRECISE: a_lo b_hi + a_hi b_lo + a_hi b_hi; plain tf32 otherwise)
-template <bool PRECISE>
+// c += a b, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi
 __device__ __forceinline__ void wy2_mma(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], uint32_t bh0,
                                         uint32_t bh1, uint32_t bl0, uint32_t bl1) {
-  if constexpr (PRECISE) {
-    sb3_mma(c, al, bh0, bh1);
-    sb3_mma(c, ah, bl0, bl1);
-  }
+  sb3_mma(c, al, bh0, bh1);
+  sb3_mma(c, ah, bl0, bl1);
   sb3_mma(c, ah, bh0, bh1);
 }
 
-template <bool PC, typename TI, bool PRECISE>
+template <bool PC, typename TI>
 __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
   using L = Wy2Smem;
   using P2 = Wy2Pair<TI>;
@@ -247,14 +244,14 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
       const float* ar = tts + tr0 * kWy2LdA + k0;
       const float av[4] = {ar[0], ar[8 * kWy2LdA], ar[4], ar[8 * kWy2LdA + 4]};
       uint32_t ah[4], al[4];
-      sb3_split4<PRECISE>(av, ah, al);
+      sb3_split4<true>(av, ah, al);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const float* br = dx + k0 * kWy2LdB + 32 * nh + 8 * nt + gq;
         uint32_t bh0, bl0, bh1, bl1;
-        sb3_split<PRECISE>(br[0], bh0, bl0);
-        sb3_split<PRECISE>(br[4 * kWy2LdB], bh1, bl1);
-        wy2_mma<PRECISE>(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+        sb3_split<true>(br[0], bh0, bl0);
+        sb3_split<true>(br[4 * kWy2LdB], bh1, bl1);
+        wy2_mma(acc[nt], ah, al, bh0, bh1, bl0, bl1);
       }
     }
     __syncthreads();  // every read of dX_s done: dR_s goes over it
@@ -289,15 +286,15 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
       const float* ar = dx + tr0 * kWy2LdA + k0;
       const float av[4] = {ar[0], ar[8 * kWy2LdA], ar[4], ar[8 * kWy2LdA + 4]};
       uint32_t ah[4], al[4];
-      sb3_split4<PRECISE>(av, ah, al);
+      sb3_split4<true>(av, ah, al);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         if (32 * nh + 8 * nt > 16 * mi + 15) continue;  // warp-uniform
         const float* br = xs + (32 * nh + 8 * nt + gq) * kWy2LdA + k0;
         uint32_t bh0, bl0, bh1, bl1;
-        sb3_split<PRECISE>(br[0], bh0, bl0);
-        sb3_split<PRECISE>(br[4], bh1, bl1);
-        wy2_mma<PRECISE>(dl[nt], ah, al, bh0, bh1, bl0, bl1);
+        sb3_split<true>(br[0], bh0, bl0);
+        sb3_split<true>(br[4], bh1, bl1);
+        wy2_mma(dl[nt], ah, al, bh0, bh1, bl0, bl1);
       }
     }
     __syncthreads();  // buffer b consumed
@@ -333,13 +330,11 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
   if (tid < Cc) p.dbeta[tok(tid)] = dbs[tid] + dbs[CH + tid];
 }
 
-// The kernel for the inputs' dtype and the products (3xTF32, or plain tf32 for bf16 inputs when !precise).
+// The kernel for the inputs' dtype.
 template <bool PC>
-auto grad3_wy2(int in_dtype, bool precise) {
-  return in_dtype == kF32 ? grad3_wy2_kernel<PC, float, true>
-                          : (in_dtype == kF16 ? grad3_wy2_kernel<PC, __half, true>
-                                              : (precise ? grad3_wy2_kernel<PC, __nv_bfloat16, true>
-                                                         : grad3_wy2_kernel<PC, __nv_bfloat16, false>));
+auto grad3_wy2(int in_dtype) {
+  return in_dtype == kF32 ? grad3_wy2_kernel<PC, float>
+                          : (in_dtype == kF16 ? grad3_wy2_kernel<PC, __half> : grad3_wy2_kernel<PC, __nv_bfloat16>);
 }
 
 }  // namespace chunk_bwd

@@ -38,8 +38,7 @@ enum BwdWork {
 };
 // cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
 // (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-// kCfgCh: KDA's grad3_ch2 instance (KDA_CUDA_CHUNK_BWD_CH=3: the 128-register one; see chunk_bwd_grad_stage).
-enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
+enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
 // set; the output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
@@ -69,11 +68,16 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // session 10's candidate call -- its head loop spilled and ran the body G times per block -- and removed)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 4, "grad3_ch2g_kernel (the GVA reduce fused into grad3_ch2)",
                    /*session=*/10);
+    // (=3, grad3_ch2's 128-register instance: 0.99 ms against the default's 0.93 in session 7; removed)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_CH", 3, "grad3_ch2_kernel's 128-register instance", 11);
+    // (KDA_CUDA_CHUNK_BWD_WY=3, grad3_wy2 with plain tf32 products for bf16 inputs, kept to measure since session 7:
+    // no committed measurement shows it faster than the 3xTF32 default, 0.60 ms; removed)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_WY", 3, "grad3_wy2_kernel with plain tf32 products (bf16)", 11);
     // prep: 4 = KDA's prep v4 with the 8x8 split (default for bf16/fp16 inputs; delta_chunk_bwd_prep4.cuh; 0.84 vs
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
-    // delta_chunk_bwd_prep.cuh, for every value but 2), 5 = v4 without the split (0.91), 2 = the fp32 SIMT v2 with
-    // the forward substitution in registers (always for fp32 inputs). Retired: 3 for KDA (prep v3; refused by
-    // chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution)
+    // delta_chunk_bwd_prep.cuh, for every value but 2), 2 = the fp32 SIMT v2 with the forward substitution in
+    // registers (always for fp32 inputs). Retired: 3 and 5 for KDA (prep v3; v4 without the split, 0.91 ms, in
+    // session 11; refused by chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
     const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
@@ -95,15 +99,16 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     at::Tensor cfg = at::empty({kBwCfgLen}, at::TensorOptions().dtype(at::kLong));
     int64_t* c = cfg.data_ptr<int64_t>();
     c[kCfgPrep] = prep_mode; c[kCfgChunks] = nc_max;
-    // state_fwd: 4 = state_fwd3 on tensor cores with tf32 products (default for bf16/fp16 inputs; 0.64 vs
-    // state_fwd2's 1.29 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 6; delta_chunk_bwd_state_fwd3.cuh),
-    // 3 = it with 3xTF32 products (0.82 ms; about fp32), 2 = the fp32 SIMT state_fwd2 (always for fp32 inputs),
-    // 7 = state_fwd3 (tf32) narrow: 16 value columns per block (twice the blocks: 256 at the shape above for 132
-    // SMs), single-buffered operands, two blocks per SM -- the default for bf16/fp16 inputs since session 10 (0.572
-    // vs 0.636 ms at the shape above, KDA and GDN alike, same gradients; 6 is left unused).
+    // state_fwd (delta_chunk_bwd_state_fwd3.cuh): 7 = state_fwd3 on tensor cores with tf32 products, narrow: 16
+    // value columns per block (256 blocks at B1 T8192 H16 HV32 for 132 SMs), single-buffered operands, two blocks
+    // per SM -- the default for bf16/fp16 inputs since session 10 (0.572 vs 0.636 ms at that shape, K=V=128 on the
+    // H200, KDA and GDN alike, same gradients), 3 = state_fwd3 with 3xTF32 products and 32 columns per block (0.82
+    // ms; about fp32), 2 = the fp32 SIMT state_fwd2 (1.29 ms; always for fp32 inputs); 6 is left unused. Retired
+    // in session 11: 4, state_fwd3 tf32 with 32 columns per block (the default from session 6 to 10; 0.636 ms).
     // (Session 9 tried bulk-copy versions of both state scans, state_fwd4 / state_bwd4: slower -- 0.86 / 1.66 ms
     // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 4, "state_fwd3_kernel tf32 with 32 columns per block", 11);
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 7);
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
@@ -119,7 +124,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
     // (always for fp32 inputs)
     c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 3);
-    c[kCfgCh] = env_int("KDA_CUDA_CHUNK_BWD_CH", 2);
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -180,15 +184,18 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
     const int64_t prep_mode = bwd_cfg(work, kCfgPrep);
     if (prep_mode == 2 || p.in_dtype == kF32) {
       cb::prep_kernel<PC><<<gchunks, cb::NT, cb::kPrepSmem, st>>>(p);
-    } else {  // KDA prep v4 (4: 8x8 split, 5: without); GDN: its prep v3 (any value but 2)
-      if constexpr (PC)
+    } else {  // KDA prep v4 (with the 8x8 split); GDN: its prep v3 (any value but 2)
+      if constexpr (PC) {
         TORCH_CHECK(prep_mode != 3, "KDA_CUDA_CHUNK_BWD_PREP=3 selected the KDA prep v3 prep3_kda_kernel, retired in "
                     "session 9 (docs/cuda.md, \"Retired kernels\"): unset KDA_CUDA_CHUNK_BWD_PREP or pick another "
                     "value");
+        TORCH_CHECK(prep_mode != 5, "KDA_CUDA_CHUNK_BWD_PREP=5 selected the KDA prep v4 without the 8x8 split "
+                    "(prep4_kda_kernel), retired in session 11 (docs/cuda.md, \"Retired kernels\"): unset "
+                    "KDA_CUDA_CHUNK_BWD_PREP or pick another value");
+      }
       constexpr size_t smem4 = cb::prep4_smem<PC>();
-      const bool bf = p.in_dtype == kBF16, s8 = prep_mode != 5;
-      auto kern = bf ? (s8 ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __nv_bfloat16, false>())
-                     : (s8 ? cb::prep4_kernel<PC, __half, true>() : cb::prep4_kernel<PC, __half, false>());
+      const bool bf = p.in_dtype == kBF16;
+      auto kern = bf ? cb::prep4_kernel<PC, __nv_bfloat16>() : cb::prep4_kernel<PC, __half>();
       allow_dynamic_smem(kern, smem4, /*max_carveout=*/true);  // two blocks per SM
       kern<<<gchunks, cb::NT, smem4, st>>>(p);
     }
@@ -216,10 +223,10 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     allow_dynamic_smem(kern, cb::kStateFwd3NarrowSmem, /*max_carveout=*/true);
     const dim3 gnar(s.N, s.HV, (s.V + bv - 1) / bv);
     kern<<<gnar, cb::kSf3Threads, cb::kStateFwd3NarrowSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
-    // state_fwd3 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory per block
-    // (within kGradSmem, which every chunked backward checks the device for before its first stage)
-    auto kern = mode == 3 ? cb::state_fwd3_kernel<PC, true> : cb::state_fwd3_kernel<PC, false>;
+  } else if (mode == 3 && p.in_dtype != kF32) {
+    // state_fwd3 3xTF32 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory
+    // per block (within kGradSmem, which every chunked backward checks the device for before its first stage)
+    auto kern = cb::state_fwd3_kernel<PC, true>;
     allow_dynamic_smem(kern, cb::kStateFwd3Smem);
     kern<<<gseq, cb::kSf3Threads, cb::kStateFwd3Smem, st>>>(p);
   } else {
@@ -299,10 +306,10 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     }
     if (hook) hook(kGradBeforeWy, p);
     // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0;
-    // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1; =3 grad3_wy2 with
-    // plain tf32 products for bf16 inputs (kept to measure)
+    // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1 (=3, plain tf32
+    // products for bf16 inputs: retired in session 11, refused by chunk_bwd_params)
     if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0) {
-      auto kern = cb::grad3_wy2<PC>(p.in_dtype, wy != 3);
+      auto kern = cb::grad3_wy2<PC>(p.in_dtype);
       allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
       kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
     } else {
@@ -310,15 +317,13 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (hook) hook(kGradBeforeCh, p);
-    const int64_t ch_mode = bwd_cfg(work, kCfgCh);
     if constexpr (PC) {
       // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM), every
-      // dtype and K (KDA_CUDA_CHUNK_BWD_CH=3: its 128-register instance)
-      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, ch_mode == 3);
+      // dtype and K
+      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
       // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head), every dtype and K
-      (void)ch_mode;
       auto kern = cb::grad3_gdn<PC>(p.in_dtype);
       const size_t smem = cb::grad3_gdn_smem(p.in_dtype == kF32);
       allow_dynamic_smem(kern, smem, /*max_carveout=*/true);

@@ -1,5 +1,6 @@
 // KDA prep v4 of the chunked backward (per-channel gate), bf16/fp16 inputs: the default (KDA_CUDA_CHUNK_BWD_PREP=4,
-// with the 8x8 split of the diagonal blocks; =5 without) since session 8. GDN has no v4: it runs its prep v3
+// with the 8x8 split of the diagonal blocks) since session 8 (=5, without the split, 0.91 vs 0.84 ms: retired in
+// session 11). GDN has no v4: it runs its prep v3
 // (delta_chunk_bwd_prep.cuh). Writes exactly what the SIMT prep_kernel writes (Params of delta_chunk_bwd.cuh; same
 // buffers, layouts, padding), so the state and grad kernels are unchanged:
 //   aqk, akk [CH][CH] row-major: A_qk (j <= t) and A_kk (j < t), no scale, no beta, zeros above;
@@ -21,7 +22,7 @@
 //       per pair), branch-free (rows outside the triangle keep f = 1; the result masks drop their sums).
 //   S2  X = K Gam = k Pre_a prod_{16a <= i <= t} a_i in place of a (prep3: e^{double prefix}).
 //   S3-S5 as prep3 (blocked inverse, 3xTF32 w and u).
-// SPLIT8 (=4): each 16x16 diagonal block in 8x8 quarters as the forward's split-8 variant: the lower-left quarter
+// The 8x8 split: each 16x16 diagonal block in 8x8 quarters as in the forward's prep: the lower-left quarter
 // (t in 16a+8..15, j in 16a..16a+7) on tensor cores (3xTF32) through the token m = 16a + 7, (x_t e^{G_t - G_m}) .
 // (k_j e^{G_m - G_j}), both factors running products within the half (a third 64-row table in the A_kk region
 // during the passes), q rows on top and k rows below in one 16x8 tile per sub-chunk (warps 0-3); CUDA cores only
@@ -41,7 +42,7 @@ namespace chunk_bwd {
 constexpr size_t kPrep4KdaSmem = KdaPrep2Smem<KP>::bytes;
 static_assert(2 * kPrep4KdaSmem <= 227 * 1024, "two prep v4 blocks per SM");
 
-template <typename T16, bool SPLIT8>
+template <typename T16>
 __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
   float* Rf = Fs + CH * LDF;                            // [64][LDF]: R_t = e^{G_s - G_t}
   float* Scr = reinterpret_cast<float*>(smem + SM::fb);
   float* Ab = reinterpret_cast<float*>(smem + SM::ab);
-  float* Hs = Ab;  // SPLIT8, during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
+  float* Hs = Ab;  // during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
   static_assert(CH * LDF <= CH * kPrepLDA, "the half-block table fits in the A_kk region");
   float* Tot = reinterpret_cast<float*>(smem + SM::tot);  // S_b
   float* Pre = reinterpret_cast<float*>(smem + SM::pre);
@@ -112,20 +113,20 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
   }
   __syncthreads();
 
-  // P1 mapping: diagonal block of NB tokens from j0 (NB = 16: sub-chunk a1 = tid / 64; SPLIT8: NB = 8, the half
-  // (tid / 32) % 2 of sub-chunk a1), rows t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2),
-  // channel pairs c = 2 (8 ci + cg) + {0, 1} of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
-  constexpr int NB = SPLIT8 ? 8 : kSub, NH = NB / 2;
+  // P1 mapping: diagonal block of NB = 8 tokens from j0 (the half (tid / 32) % 2 of sub-chunk a1 = tid / 64), rows
+  // t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2), channel pairs c = 2 (8 ci + cg) + {0, 1}
+  // of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
+  constexpr int NB = 8, NH = NB / 2;
   const int cg = lane & 7, a1 = tid >> 6;
-  const int rp = SPLIT8 ? (lane >> 3) : ((tid >> 3) & 7);
-  const int j0 = a1 * kSub + (SPLIT8 ? ((tid >> 5) & 1) * NB : 0), t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
+  const int rp = lane >> 3;
+  const int j0 = a1 * kSub + ((tid >> 5) & 1) * NB, t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
   float q1[NH], k1[NH], q2[NB], k2[NB];
 #pragma unroll
   for (int jl = 0; jl < NB; ++jl) {
     if (jl < NH) q1[jl % NH] = k1[jl % NH] = 0.f;
     q2[jl] = k2[jl] = 0.f;
   }
-  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
+  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
   float acc2[3][4];                      // P2: tiles warp, warp + 8, warp + 16
 #pragma unroll
   for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
           const float at = Gx[t * LDG + c];
           P *= at;
           Fs[t * LDF + bcl] = P;
-          if (SPLIT8 && i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
+          if (i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
             P8 *= at;
             Hs[t * LDF + bcl] = P8;
           }
@@ -177,7 +178,7 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
           Rf[t * LDF + bcl] = S;
           if (v2) p.kendc[cbase + t * KP + c] = f16(Ks[t * LDH + c]) * (esuf * S);  // k e^{G_last - G_t}
           S *= at;
-          if (SPLIT8 && i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
+          if (i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
             Hs[t * LDF + bcl] = S8;
             S8 *= at;
           }
@@ -217,10 +218,10 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
       }
     }
 
-    // ---- SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores (3xTF32), through
+    // ---- warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores (3xTF32), through
     //      the token m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times e^{G_t - G_m}; columns
     //      k_j e^{G_m - G_j} (j = 16a + gq): one 16x8 tile carries both products, every factor <= 1
-    if (SPLIT8 && warp < 4) {
+    if (warp < 4) {
       const int r = warp * kSub + 8 + gq, jb = warp * kSub + gq;
 #pragma unroll
       for (int s = 0; s < kKdaPass / 8; ++s) {
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
     __syncthreads();
   }
 
-  // ---- results: A_qk, A_kk row-major to global (P1: the diagonal blocks -- SPLIT8: their 8x8 diagonal quarters
+  // ---- results: A_qk, A_kk row-major to global (P1: the diagonal blocks -- their 8x8 diagonal quarters
   //      -- incl. their zeros above the diagonal; P2: the blocks below; zeros above the diagonal blocks);
   //      A_kk Diag(beta) to Ab (strictly lower)
 #pragma unroll
@@ -293,20 +294,18 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
     Ab[t1 * LDA + j] = vk1 * bj;
     Ab[t2 * LDA + j] = vk2 * bj;
   }
-  if constexpr (SPLIT8) {
-    {  // the upper-right 8x8 quarter of each diagonal block: zeros (aqk, akk; Ab's for tidiness, never read)
-      const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
-      const int t = a * kSub + r, j = a * kSub + 8 + cc;
-      p.aqk[abase + t * CH + j] = 0.f;
-      p.akk[abase + t * CH + j] = 0.f;
-      Ab[t * LDA + j] = 0.f;
-    }
-    if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
-      const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
-      *reinterpret_cast<float2*>(p.aqk + abase + t * CH + j) = make_float2(accq[0], accq[1]);
-      *reinterpret_cast<float2*>(p.akk + abase + t * CH + j) = make_float2(accq[2], accq[3]);
-      *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * Bs[j], accq[3] * Bs[j + 1]);
-    }
+  {  // the upper-right 8x8 quarter of each diagonal block: zeros (aqk, akk; Ab's for tidiness, never read)
+    const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
+    const int t = a * kSub + r, j = a * kSub + 8 + cc;
+    p.aqk[abase + t * CH + j] = 0.f;
+    p.akk[abase + t * CH + j] = 0.f;
+    Ab[t * LDA + j] = 0.f;
+  }
+  if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
+    const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
+    *reinterpret_cast<float2*>(p.aqk + abase + t * CH + j) = make_float2(accq[0], accq[1]);
+    *reinterpret_cast<float2*>(p.akk + abase + t * CH + j) = make_float2(accq[2], accq[3]);
+    *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * Bs[j], accq[3] * Bs[j + 1]);
   }
 #pragma unroll
   for (int u = 0; u < 3; ++u) {
@@ -350,9 +349,9 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
 }
 
 // The family's prep v4 kernel (KDA; GDN has none and runs its prep v3) and its shared memory.
-template <bool PC, typename T16, bool SPLIT8>
+template <bool PC, typename T16>
 inline auto prep4_kernel() {
-  if constexpr (PC) return prep4_kda_kernel<T16, SPLIT8>;
+  if constexpr (PC) return prep4_kda_kernel<T16>;
   else return prep3_gdn_kernel<T16>;
 }
 template <bool PC>

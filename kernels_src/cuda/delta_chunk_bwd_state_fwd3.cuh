@@ -15,8 +15,9 @@
 // the transposed ones): w of chunk c + 2 is issued once chunk c's U is formed, K Eend and Gam_last of chunk c + 1
 // at the start of chunk c, so each lands about a chunk step and a half ahead; u of the next chunk goes into
 // registers a step ahead. Two barriers per chunk step.
-// Not PRECISE (KDA_CUDA_CHUNK_BWD_STATE_FWD=4, the default): one tf32 product per term (operands rounded to 10-bit
-// mantissas, fp32 accumulation and state). PRECISE (=3): 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, the two
+// Not PRECISE (the narrow instance below, KDA_CUDA_CHUNK_BWD_STATE_FWD=7, the default; with 32 columns, =4, the
+// default until session 10, retired in session 11): one tf32 product per term (operands rounded to 10-bit
+// mantissas, fp32 accumulation and state). PRECISE (=3, 32 columns): 3xTF32 (a_hi b_hi + a_hi b_lo + a_lo b_hi, the two
 // correction terms in their own accumulators so that the dependent chains stay short), about fp32 accuracy.
 // Measured on the H200 (session 6, B1 T8192 H16 HV32 K=V=128 bf16): tf32 0.64 ms, 3xTF32 0.82 ms, state_fwd2
 // 1.29 ms. Gradients with bf16 inputs, relative RMS from state_fwd2's: tf32 dg / dbeta <= 7e-5 (DESIGN.md's bound
@@ -40,7 +41,7 @@ template <int BV>
 constexpr int sf3_ldh() { return BV + 8; }
 
 // shared memory, in floats (every offset a multiple of 4: 16-byte aligned). BV: V columns per block (32: the
-// default; 16: KDA_CUDA_CHUNK_BWD_STATE_FWD=7); DB: w / K Eend / Gam_last double-buffered (NB = 2) or single (1).
+// 3xTF32 instance, =3; 16: KDA_CUDA_CHUNK_BWD_STATE_FWD=7, the default); DB: w / K Eend / Gam_last double-buffered (NB = 2) or single (1).
 template <int BV, bool DB>
 struct StateFwd3SmemT {
   static constexpr int NB = DB ? 2 : 1;

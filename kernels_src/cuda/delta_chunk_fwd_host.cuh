@@ -2,13 +2,15 @@
 // kda_chunk_fwd.cu and gdn_chunk_fwd.cu. K > 128 runs the recurrent kernel (same function, exact), as does
 // KDA_CUDA_CHUNK_FWD=0. fp32 inputs use 3xTF32 tensor-core products (about fp32 accuracy) and an fp32 workspace,
 // bf16/fp16 inputs tf32 and bf16 q~ / k~^T / A~ in the workspace (KDA_CUDA_CHUNK_WS_BF16=0: fp32).
-// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep2.cuh, the default since session 10: the same
-// workspace as gdn_chunk_prep.cuh with three blocks per SM; KDA_CUDA_GDN_PREP=1 runs v1), as does KDA
-// (KDA_CUDA_KDA_PREP: 3, the default, kda_chunk_prep2.cuh with the 8x8 split of the diagonal blocks, 0.57 ms; 2 it
-// without the split, 0.61 ms).
+// GDN with bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep2.cuh, the default since session 10; the
+// shared pieces of the GDN preps are in gdn_chunk_prep.cuh), as does KDA (kda_chunk_prep2.cuh with the 8x8 split of
+// the diagonal blocks, 0.57 ms).
 // Retired in session 9 (refused): KDA_CUDA_KDA_PREP=1 (the v1 kernel kda_chunk_prep.cuh, 0.82 ms) and
-// KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels").
-// Both variables are read at every call.
+// KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels");
+// in session 10 KDA_CUDA_KDA_PREP=4 / 5 (KDA prep v3); in session 11 KDA_CUDA_GDN_PREP=1 (the GDN prep v1
+// gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227) and KDA_CUDA_KDA_PREP=2 (kda_chunk_prep2 without the 8x8
+// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults, which other values run too;
+// both variables are read (for the refusals) at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
@@ -53,18 +55,9 @@ void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// GDN, bf16/fp16 inputs: gdn_chunk_prep_kernel (same workspace as delta_chunk_prep_kernel<false, KP, false>).
-template <int KP, typename T16>
-void launch_gdn_prep_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  constexpr size_t smem = GdnPrepSmem<KP>::bytes;
-  auto kern = gdn_chunk_prep_kernel<KP, T16>;
-  allow_dynamic_smem(kern, smem);
-  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// KDA_CUDA_GDN_PREP=2 (the default since session 10): gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh: the same workspace
-// and values, 69 KB of shared memory and <= 80 registers for three blocks per SM; the largest carveout for them).
+// GDN, bf16/fp16 inputs: gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh; the default since session 10: the workspace
+// of delta_chunk_prep_kernel<false, KP, false>, 69 KB of shared memory and <= 80 registers for three blocks per SM;
+// the largest carveout for them).
 template <int KP, typename T16>
 void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = GdnPrep2Smem<KP>::bytes;
@@ -74,42 +67,28 @@ void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// version 2: gdn_chunk_prep2_kernel; else (1, the default) gdn_chunk_prep_kernel (0: retired, refused by
-// chunk_prep_dispatch).
 template <int KP>
-void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
-  if (version == 2) {
-    if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
-    else launch_gdn_prep2_t<KP, __half>(p, max_chunks, st);
-    return;
-  }
-  if (p.in_dtype == kBF16) launch_gdn_prep_t<KP, __nv_bfloat16>(p, max_chunks, st);
-  else launch_gdn_prep_t<KP, __half>(p, max_chunks, st);
+void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
+  else launch_gdn_prep2_t<KP, __half>(p, max_chunks, st);
 }
 
 // KDA, bf16/fp16 inputs: kda_chunk_prep2_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>; gate
-// factors as products of e^{g_i} within a sub-chunk); SPLIT8 (version 3, the default): its 8x8 split of the
-// diagonal blocks.
-template <int KP, typename T16, bool SPLIT8>
+// factors as products of e^{g_i} within a sub-chunk) with its 8x8 split of the diagonal blocks (the instance
+// without, KDA_CUDA_KDA_PREP=2, was retired in session 11).
+template <int KP, typename T16>
 void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = KdaPrep2Smem<KP>::bytes;
-  auto kern = kda_chunk_prep2_kernel<KP, T16, SPLIT8>;
+  auto kern = kda_chunk_prep2_kernel<KP, T16>;
   allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// version 2: kda_chunk_prep2_kernel, else (3, the default) it with SPLIT8 (1, the v1 kernel kda_chunk_prep_kernel:
-// retired in session 9, refused by chunk_prep_dispatch).
 template <int KP>
-void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, int version) {
-  if (version == 2) {
-    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
-    else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
-  } else {
-    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
-    else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
-  }
+void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
+  else launch_kda_prep2_t<KP, __half>(p, max_chunks, st);
 }
 
 template <int KP, int BV, bool PRECISE>
@@ -164,10 +143,10 @@ template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
-    // 2 = gdn_chunk_prep2 (default since session 10: 0.227 vs 0.297 ms at B1 T8192 H16 HV32), 1 = v1
-    launch_gdn_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_GDN_PREP", 2));
+    // gdn_chunk_prep2 (default since session 10: 0.227 vs v1's 0.297 ms at B1 T8192 H16 HV32; v1 retired)
+    launch_gdn_prep<KP>(p, max_chunks, st);
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    launch_kda_prep<KP>(p, max_chunks, st, env_int("KDA_CUDA_KDA_PREP", 3));
+    launch_kda_prep<KP>(p, max_chunks, st);
   } else {
     launch_chunk_prep<PC, KP>(p, max_chunks, st);
   }
@@ -226,8 +205,12 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
     // device call; removed)
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 4, "the KDA prep v3 kda_chunk_prep3_kernel", 10);
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 5, "the KDA prep v3 kda_chunk_prep3_kernel (unrolled)", 10);
+    // (2: kda_chunk_prep2 without the 8x8 split, 0.617 ms in session 7 against 0.571 with it in session 8; removed)
+    refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 2, "kda_chunk_prep2_kernel without the 8x8 split", 11);
   } else {
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
+    // (1: the GDN prep v1 gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227 in session 10; kernel removed)
+    refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 1, "the GDN prep v1 gdn_chunk_prep_kernel", 11);
   }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
@@ -356,7 +339,9 @@ inline const float* chunk_fwd_h0(const char* op, const std::optional<at::Tensor>
 }
 
 // Shared memory of the chunked forward's prep for these inputs (the largest block it launches): fp32 inputs the
-// generic 3xTF32 prep (~205 KB at K = 128: sm_90-class), bf16/fp16 the family's own prep (two blocks per SM).
+// generic 3xTF32 prep (~205 KB at K = 128: sm_90-class), bf16/fp16 the family's own prep (two blocks per SM). GDN:
+// GdnPrepSmem (88 KB at K = 128, the backward's prep3_gdn; the retired forward v1's size) bounds v2's 69 KB and
+// kept the device check as it was when v1 was retired (session 11).
 template <bool PC>
 size_t chunk_fwd_prep_smem(int K, bool precise) {
   if (precise) return K <= 64 ? PrepSmem<64>::bytes : PrepSmem<128>::bytes;

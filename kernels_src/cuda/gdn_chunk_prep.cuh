@@ -1,26 +1,31 @@
-// GDN-specific prep kernel of the chunked forward (scalar gate per token and value head), bf16/fp16 inputs.
-// Writes exactly the workspace delta_chunk_prep_kernel<PC=false> writes (WsLayout: w, q~, k~^T, A~, decay, u0;
-// same sections, fragment order and bf16/fp32 choice), so delta_chunk_scan_kernel is unchanged. fp32 inputs keep
-// the generic prep kernel (3xTF32 everywhere). (KDA_CUDA_GDN_PREP=0, the generic kernel for 16-bit GDN inputs,
-// was retired in session 9.)
+// Pieces of the GDN prep kernels (scalar gate per token and value head), bf16/fp16 inputs: the forward's
+// gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh, the default since session 10) and the backward's prep3_gdn_kernel
+// (delta_chunk_bwd_prep.cuh) follow the phases below; KDA's preps (kda_chunk_prep2.cuh, the backward's
+// delta_chunk_bwd_prep4.cuh) share the staging, the blocked inverse and w / u0. The kernel these were first written
+// for, the forward's v1 gdn_chunk_prep_kernel (session 4, 88 KB of shared memory, two blocks per SM: 0.297 ms
+// against v2's 0.227 at B1 T8192 H16 HV32 K=V=128 on the H200), was retired in session 11 (KDA_CUDA_GDN_PREP=1,
+// refused; docs/cuda.md, "Retired kernels"); its shared-memory layout GdnPrepSmem stays: prep3_gdn uses it.
+// The preps write exactly the workspace delta_chunk_prep_kernel<PC=false> writes (WsLayout: w, q~, k~^T, A~, decay,
+// u0; same sections, fragment order and bf16/fp32 choice), so the scans read either. fp32 inputs keep the generic
+// prep kernel (3xTF32 everywhere).
 //
 // With a scalar gate the decay of a pair (t, j), j <= t, is the scalar e^{G_t - G_j} (G the chunk prefix of the
 // gate, a double prefix sum kept as hi + lo floats, so the exponent is a direct sum of the gates in between and
 // every factor is <= 1: gates of -1e4 give 0, never inf/NaN), and every product is a plain matrix product:
-//   S0  cp.async of q, k (and the first 128 columns of v) into 16-bit shared tiles (zero padded: rows >= L,
-//       columns >= K / V); warp 0 meanwhile: gates and beta, the double prefix scan (shuffles), e^{G_t},
+//   S0  cp.async of q, k (and v) into 16-bit shared tiles (gdn_stage; zero padded: rows >= L, columns >= K / V);
+//       warp 0 meanwhile: gates and beta, the double prefix scan (gdn_gate_prefix), e^{G_t},
 //       beta_t e^{G_last - G_t}, decay = e^{G_last}.
-//  S1  Q K^T and K K^T on tensor cores (mma.sync m16n8k16, bf16 or f16 in, fp32 accumulation), the 20 16x8 tiles
-//       on or below the diagonal, both products per tile; the decay and beta_j applied per element in fp32:
-//       scale A_qk Diag(beta) -> workspace (the accumulator rearranged to fragment order by shuffles),
-//       A_kk Diag(beta) (strictly lower) -> shared memory. The 12 upper tiles of A~ are written as zeros.
-//  S2  warps 0-3: the 16x16 diagonal blocks of T = (I + A_kk Diag(beta))^-1 (forward substitution, fp32, one
-//       column per lane); warps 4-7: q~ = scale q e^G -> workspace.
-//  S3  warps 0-1: T_10 and T_32 = -T_aa A_ab T_bb (3xTF32, about fp32); warps 2-7: k~^T -> workspace.
-//  S4  warps 0-1: the lower-left 32x32 of T = -T_D (A_L T_U) (3xTF32), one 16-column block each.
-//  S5  w = T (K e^G), u0 = T V on tensor cores (tf32 m16n8k8, as the generic kernel): one warp per 8 output
-//       columns, row block a over the k-blocks 0..a only; w rearranged to fragment order, u0 row-major.
-// Shared memory 88 KB at K = 128 (two blocks of 8 warps per SM; the generic kernel: 205 KB, one), 5 barriers.
+//  S1  Q K^T and K K^T on tensor cores (mma16: m16n8k16, bf16 or f16 in, fp32 accumulation), the 20 16x8 tiles
+//       on or below the diagonal (lower_tile), both products per tile; the decay and beta_j applied per element
+//       in fp32: scale A_qk Diag(beta) -> workspace (the accumulator rearranged to fragment order by shuffles,
+//       acc_to_afrag), A_kk Diag(beta) (strictly lower) -> shared memory. The 12 upper tiles of A~ are zeros.
+//  S2  warps 0-3: the 16x16 diagonal blocks of T = (I + A_kk Diag(beta))^-1 (prep_inverse_diag: forward
+//       substitution, fp32, one column per lane); warps 4-7: q~ = scale q e^G -> workspace.
+//  S3  warps 0-1: T_10 and T_32 = -T_aa A_ab T_bb (prep_inverse_sub1, 3xTF32, about fp32); the others k~^T.
+//  S4  warps 0-1: the lower-left 32x32 of T = -T_D (A_L T_U) (prep_inverse_sub2, 3xTF32), one 16-column block
+//       each.
+//  S5  w = T (K e^G), u0 = T V on tensor cores (tf32 m16n8k8, as the generic kernel; prep_w_u0): one warp per 8
+//       output columns, row block a over the k-blocks 0..a only; w rearranged to fragment order, u0 row-major.
 #pragma once
 
 #include <type_traits>
@@ -143,10 +148,10 @@ __device__ __forceinline__ void gdn_stage(uint16_t* dst, int ld, const uint16_t*
   }
 }
 
-// Warp 0 of a GDN prep block (forward v1 / v2, the backward's prep3_gdn): the chunk's per-head gate prefix. Lane l
-// takes tokens t0 = 2l and t0 + 1 (gate and beta 0 at and past L), scans the gates in double (G_t inclusive; G_last
-// = G_63, the padding adds 0), and writes Gh[t] (the prefix as hi / lo floats) and Ea[t] = e^{G_t} for both tokens.
-// Returns the lane's betas and G_t0, G_t0+1, G_last for the caller's own tables.
+// Warp 0 of a GDN prep block (forward v2, the backward's prep3_gdn): the chunk's per-head gate prefix. Lane l
+// takes tokens t0 = 2l and t0 + 1 (gate and beta 0 at and past L), scans the gates in double (G_t inclusive;
+// G_last = G_63, the padding adds 0), and writes Gh[t] (the prefix as hi / lo floats) and Ea[t] = e^{G_t} for both
+// tokens. Returns the lane's betas and G_t0, G_t0+1, G_last for the caller's own tables.
 struct GdnGatePrefix {
   float b0, b1;
   double G0, G1, Gl;
@@ -211,7 +216,7 @@ __device__ __forceinline__ void lower_tile(int job, int& a, int& nt) {
   nt = job - a * (a + 1);
 }
 
-// ---- Pieces shared by the GDN and the KDA prep kernel (kda_chunk_prep.cuh): the blocked inverse
+// ---- Pieces shared by the GDN and the KDA prep kernels (kda_chunk_prep2.cuh): the blocked inverse
 // T = (I + A_kk Diag(beta))^-1 from Ab = A_kk Diag(beta) (strictly lower, fp32, row stride kPrepLDA), and
 // w = T X, u0 = T V. Every thread of the block calls each of them.
 
@@ -342,141 +347,6 @@ __device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, co
       }
     }
   }
-}
-
-template <int KP, typename T16>
-__global__ void __launch_bounds__(kGdnThreads, 2) gdn_chunk_prep_kernel(const ChunkFwdParams p) {
-  using SM = GdnPrepSmem<KP>;
-  constexpr int LDH = SM::LDH, LDV = SM::LDV, LDA = SM::LDA, LDY = SM::LDY;
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* Qs = reinterpret_cast<uint16_t*>(smem + SM::qs);
-  uint16_t* Ks = reinterpret_cast<uint16_t*>(smem + SM::ks);
-  uint16_t* Vs = reinterpret_cast<uint16_t*>(smem + SM::vs);
-  float* Ab = reinterpret_cast<float*>(smem + SM::ab);
-  float* Ts = reinterpret_cast<float*>(smem + SM::ts);
-  float2* Gh = reinterpret_cast<float2*>(smem + SM::gh);
-  float* Ea = reinterpret_cast<float*>(smem + SM::ea);
-  float* Ck = reinterpret_cast<float*>(smem + SM::ck);
-  float* Bs = reinterpret_cast<float*>(smem + SM::bs);
-  float* Scr = reinterpret_cast<float*>(smem + SM::qs);  // S3/S4 scratch over the q tile (q is done after S2)
-
-  const int cid = blockIdx.x, hv = blockIdx.y;
-  int64_t tok0;
-  int L;
-  if (!chunk_coords(p, cid, tok0, L)) return;
-  const int h = hv / (p.HV / p.H);
-  const int K = p.K, V = p.V, HV = p.HV;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gq = lane >> 2, t4 = lane & 3;
-  float* ws = p.ws + (static_cast<int64_t>(cid) * HV + hv) * p.ws_stride;
-  const bool half = p.ws_bf16 != 0;
-  const WsLayout<KP> WL(half);
-  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
-
-  // ---- S0: q, k, v (first 128 columns) -> shared memory (cp.async, all in flight at once); gates on warp 0
-  const uint16_t* qg = static_cast<const uint16_t*>(p.q) + (tok0 * p.H + h) * K;
-  const uint16_t* kg = static_cast<const uint16_t*>(p.k) + (tok0 * p.H + h) * K;
-  const uint16_t* vg = static_cast<const uint16_t*>(p.v) + (tok0 * HV + hv) * V;
-  const bool vec_qk = (K % 8) == 0 && ((reinterpret_cast<uintptr_t>(p.q) | reinterpret_cast<uintptr_t>(p.k)) & 15) == 0;
-  const bool vec_v = (V % 8) == 0 && (reinterpret_cast<uintptr_t>(p.v) & 15) == 0;
-  gdn_stage<KP>(Qs, LDH, qg, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
-  gdn_stage<KP>(Ks, LDH, kg, static_cast<int64_t>(p.H) * K, L, K, vec_qk, tid);
-  gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
-  if (warp == 0) {
-    const int t0 = 2 * lane;
-    const GdnGatePrefix gp = gdn_gate_prefix(p.g, p.beta, tok0, L, HV, hv, lane, Gh, Ea);
-    const float b0 = gp.b0, b1 = gp.b1;
-    const double G0 = gp.G0, G1 = gp.G1, Gl = gp.Gl;
-    Ck[t0] = b0 * __expf(static_cast<float>(Gl - G0));
-    Ck[t0 + 1] = b1 * __expf(static_cast<float>(Gl - G1));
-    Bs[t0] = b0;
-    Bs[t0 + 1] = b1;
-    const float dec = __expf(static_cast<float>(Gl));
-    for (int c = lane; c < KP; c += 32) ws[WL.decay + c] = dec;
-  }
-  gdn_cp_async_wait_all();
-  __syncthreads();
-
-  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16), decay and beta per element; upper A~ tiles = 0
-  {
-    const uint32_t* Q32 = reinterpret_cast<const uint32_t*>(Qs);
-    const uint32_t* K32 = reinterpret_cast<const uint32_t*>(Ks);
-    constexpr int LW = LDH / 2;  // row stride in 32-bit words
-    for (int job = warp; job < 20; job += kGdnThreads / 32) {
-      int a, nt;
-      lower_tile(job, a, nt);
-      float cq[4] = {0.f, 0.f, 0.f, 0.f}, ckk[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t* qa = Q32 + (a * kSub + gq) * LW + t4;
-      const uint32_t* ka = K32 + (a * kSub + gq) * LW + t4;
-      const uint32_t* kb = K32 + (nt * 8 + gq) * LW + t4;
-#pragma unroll
-      for (int s = 0; s < KP / 16; ++s) {
-        const int o = s * 8;
-        const uint32_t b0 = kb[o], b1 = kb[o + 4];
-        mma16<T16>(cq, qa[o], qa[o + 8 * LW], qa[o + 4], qa[o + 8 * LW + 4], b0, b1);
-        mma16<T16>(ckk, ka[o], ka[o + 8 * LW], ka[o + 4], ka[o + 8 * LW + 4], b0, b1);
-      }
-      float vq[4], vk[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = a * kSub + gq + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
-        const float f = j <= t ? __expf(hi_lo_diff(Gh[t], Gh[j])) : 0.f;
-        const float fb = f * Bs[j];
-        vq[e] = p.scale * (cq[e] * fb);
-        vk[e] = j < t ? ckk[e] * fb : 0.f;
-      }
-      float* Ar = Ab + (a * kSub + gq) * LDA + nt * 8 + 2 * t4;
-      *reinterpret_cast<float2*>(Ar) = make_float2(vk[0], vk[1]);
-      *reinterpret_cast<float2*>(Ar + 8 * LDA) = make_float2(vk[2], vk[3]);
-      ws_put_frag(ws + WL.aqk, (a * (kChunk / 8) + nt) * 32 + lane, half, acc_to_afrag(vq, lane));
-    }
-    for (int i = tid; i < 12 * 32; i += kGdnThreads) {  // tiles (0, 2..7), (1, 4..7), (2, 6..7)
-      const int z = i >> 5;
-      const int a = z < 6 ? 0 : (z < 10 ? 1 : 2);
-      const int nt = z < 6 ? 2 + z : (z < 10 ? z - 2 : z - 4);
-      ws_put_frag(ws + WL.aqk, (a * (kChunk / 8) + nt) * 32 + (i & 31), half, make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-  }
-  __syncthreads();
-
-  // ---- S2: warps 0-3: diagonal blocks of T (lanes 0-15, one column each); warps 4-7: q~ = scale q e^G
-  prep_inverse_diag(Ab, Ts, warp, lane);
-  if (warp >= 4) {
-    constexpr int NQ = 4 * (KP / 8) * 32;
-    for (int it = tid - 128; it < NQ; it += 128) {
-      const int ln = it & 31, tile = it >> 5;
-      const int r0 = (tile / (KP / 8)) * kSub + (ln >> 2), c0 = (tile % (KP / 8)) * 8 + (ln & 3);
-      const float e0 = p.scale * Ea[r0], e1 = p.scale * Ea[r0 + 8];
-      ws_put_frag(ws + WL.qg, it, half,
-                  make_float4(e0 * f16(Qs[r0 * LDH + c0]), e1 * f16(Qs[(r0 + 8) * LDH + c0]),
-                              e0 * f16(Qs[r0 * LDH + c0 + 4]), e1 * f16(Qs[(r0 + 8) * LDH + c0 + 4])));
-    }
-  }
-  __syncthreads();
-
-  // ---- S3: warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb; warps 2-7: k~^T[c][t] = beta_t k_t[c] e^{G_last - G_t}
-  prep_inverse_sub1(Ab, Ts, Scr, warp, gq, t4);
-  if (warp >= 2) {
-    constexpr int NK = (KP / 16) * (kChunk / 8) * 32;
-    for (int it = tid - 64; it < NK; it += kGdnThreads - 64) {
-      const int ln = it & 31, tile = it >> 5;
-      const int c0 = (tile / (kChunk / 8)) * kSub + (ln >> 2), t0 = (tile % (kChunk / 8)) * 8 + (ln & 3);
-      const float d0 = Ck[t0], d1 = Ck[t0 + 4];
-      ws_put_frag(ws + WL.kg, it, half,
-                  make_float4(d0 * f16(Ks[t0 * LDH + c0]), d0 * f16(Ks[t0 * LDH + c0 + 8]),
-                              d1 * f16(Ks[(t0 + 4) * LDH + c0]), d1 * f16(Ks[(t0 + 4) * LDH + c0 + 8])));
-    }
-  }
-  __syncthreads();
-
-  // ---- S4: warps 0-1 (b = warp): Y_ab = sum_{c=b}^{1} Ab_ac T_cb (a = 2, 3); T_2b = -T_22 Y_2b,
-  //      T_3b = -(T_32 Y_2b + T_33 Y_3b)
-  prep_inverse_sub2(Ab, Ts, Scr, warp, gq, t4);
-  __syncthreads();
-
-  // ---- S5: w = T (K e^G) (fragment order), u0 = T V (row-major), tf32 m16n8k8; V in blocks of 128 columns
-  prep_w_u0<KP, T16>(p, ws, WL, Ts, Vs, vg, L, vec_v, tid,
-                     [&](int t, int c) { return f16(Ks[t * LDH + c]) * Ea[t]; });
 }
 
 }  // namespace cuda

@@ -1,6 +1,7 @@
-// GDN prep kernel v2 of the chunked forward (KDA_CUDA_GDN_PREP=2, the default since session 10): the same workspace
-// as gdn_chunk_prep_kernel (gdn_chunk_prep.cuh; WsLayout: w, q~, k~^T, A~, decay, u0 -- same values, the same
-// products in the same order), laid out for three blocks per SM instead of two.
+// GDN prep kernel v2 of the chunked forward (the default since session 10; the only one since session 11): the same
+// workspace as v1 gdn_chunk_prep_kernel (retired in session 11, KDA_CUDA_GDN_PREP=1 refused; its phases and shared
+// pieces: gdn_chunk_prep.cuh; WsLayout: w, q~, k~^T, A~, decay, u0 -- same values, the same products in the same
+// order), laid out for three blocks per SM instead of two.
 //
 // Session 9's gdn_chunk_prep_kernel (0.30 ms at B1 T8192 H16 HV32 K=V=128 on the H200) moves about 155 KB per
 // block (48 KB of q / k / v in, 107 KB of workspace out), about 0.13 ms for the whole grid at the H200's DRAM
@@ -24,7 +25,7 @@
 //  - k~^T's stores are split between S3 and S4 (warps 2-7), so S4's 3xTF32 products on warps 0-1 no longer run
 //    alone.
 //  - S1's m16n8k16 fragments (the same 32-bit words) by ldmatrix.x4: 3 instead of 10 shared loads per k-step.
-// The values are those of gdn_chunk_prep_kernel: S0, S2-S4 are its code, S1 the same fragments and products, S5
+// The values are those of v1 gdn_chunk_prep_kernel: S0, S2-S4 are its code, S1 the same fragments and products, S5
 // the same tf32 operands (rounded as cvt.rna rounds them) and accumulation order.
 #pragma once
 

@@ -1,7 +1,8 @@
 // KDA prep kernel v2 of the chunked forward (per-channel gate), bf16/fp16 inputs: the default for KDA since
-// session 7 (KDA_CUDA_KDA_PREP=3, with SPLIT8 below, since session 8; =2 without). The v1 kernel (=1,
-// kda_chunk_prep.cuh, 0.82 ms vs 0.57) and the generic delta_chunk_prep_kernel for 16-bit inputs (=0) were
-// retired in session 9. Writes the workspace the scans read (WsLayout: w, q~, k~^T, A~, decay, u0; the sections,
+// session 7, with the 8x8 split below since session 8. The v1 kernel (KDA_CUDA_KDA_PREP=1, kda_chunk_prep.cuh,
+// 0.82 ms vs 0.57) and the generic delta_chunk_prep_kernel for 16-bit inputs (=0) were retired in session 9, this
+// kernel without the split (=2, 16-token diagonal blocks on CUDA cores, 0.61 ms vs 0.57) in session 11. Writes
+// the workspace the scans read (WsLayout: w, q~, k~^T, A~, decay, u0; the sections,
 // fragment order and bf16/fp32 choice of the generic kernel), so the scans are unchanged.
 //
 // Phases and thread mappings as v1 had them (S0, S1, four passes of 32 channels with build / P2 / P1, results,
@@ -27,7 +28,7 @@
 // gates near 0, where the state's memory spans hundreds of chunks).
 // Shared memory ~111 KB at K = 128 (two blocks per SM), 256 threads.
 //
-// SPLIT8 (KDA_CUDA_KDA_PREP=3, the default): each 16x16 diagonal block in 8x8 quarters. The lower-left quarter (t in
+// The 8x8 split (session 8): each 16x16 diagonal block in 8x8 quarters. The lower-left quarter (t in
 // 16a+8..15, j in 16a..16a+7) on tensor cores through the token m = 16a + 7, (x_t e^{G_t - G_m}) . (k_j
 // e^{G_m - G_j}), both factors running products within the half (a third 64-row table, in the A_kk region during
 // the passes), one 16x8 tile per sub-chunk with the q rows on top and the k rows below (warps 0-3); P1 on CUDA
@@ -99,8 +100,8 @@ struct KdaPrep2Smem {
                 "16-byte aligned sections");
 };
 
-// SPLIT8 (KDA_CUDA_KDA_PREP=3): each 16x16 diagonal block in 8x8 quarters; see the end of the header comment.
-template <int KP, typename T16, bool SPLIT8>
+// Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
+template <int KP, typename T16>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   float* Rf = Fs + kChunk * LDF;                        // [64][LDF]: R_t = e^{G_s - G_t}
   float* Scr = reinterpret_cast<float*>(smem + SM::fb);
   float* Ab = reinterpret_cast<float*>(smem + SM::ab);
-  float* Hs = Ab;  // SPLIT8, during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
+  float* Hs = Ab;  // during the passes: [64][LDF] e^{G_t - G_m} (t upper half) / e^{G_m - G_t} (lower half)
   static_assert(kChunk * LDF <= kChunk * kPrepLDA, "the half-block table fits in the A_kk region");
   float* Tot = reinterpret_cast<float*>(smem + SM::tot);  // S_b
   float* Pre = reinterpret_cast<float*>(smem + SM::pre);
@@ -170,20 +171,20 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   }
   __syncthreads();
 
-  // P1 mapping: diagonal block of NB tokens from j0 (NB = 16: sub-chunk a1 = tid / 64; SPLIT8: NB = 8, the half
-  // (tid / 32) % 2 of sub-chunk a1), rows t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2),
-  // channel pairs c = 2 (8 ci + cg) + {0, 1} of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
-  constexpr int NB = SPLIT8 ? 8 : kSub, NH = NB / 2;
+  // P1 mapping: diagonal block of NB = 8 tokens from j0 (the half (tid / 32) % 2 of sub-chunk a1 = tid / 64), rows
+  // t1 = j0 + rp (pairs j <= t1) and t2 = j0 + NB - 1 - rp (pairs j <= t2), channel pairs c = 2 (8 ci + cg) + {0, 1}
+  // of the pass; the 8 channel groups (lane bits 0..2) are summed at the end.
+  constexpr int NB = 8, NH = NB / 2;
   const int cg = lane & 7, a1 = tid >> 6;
-  const int rp = SPLIT8 ? (lane >> 3) : ((tid >> 3) & 7);
-  const int j0 = a1 * kSub + (SPLIT8 ? ((tid >> 5) & 1) * NB : 0), t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
+  const int rp = lane >> 3;
+  const int j0 = a1 * kSub + ((tid >> 5) & 1) * NB, t1 = j0 + rp, t2 = j0 + NB - 1 - rp;
   float q1[NH], k1[NH], q2[NB], k2[NB];
 #pragma unroll
   for (int jl = 0; jl < NB; ++jl) {
     if (jl < NH) q1[jl % NH] = k1[jl % NH] = 0.f;
     q2[jl] = k2[jl] = 0.f;
   }
-  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
+  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
   float acc2[3][4];  // P2: tiles warp, warp + 8, warp + 16
 #pragma unroll
   for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           const float at = Gx[t * LDG + c];
           P *= at;
           Fs[t * LDF + bcl] = P;
-          if (SPLIT8 && i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
+          if (i >= 8) {  // e^{G_t - G_m}, m = 16 ba + 7
             P8 *= at;
             Hs[t * LDF + bcl] = P8;
           }
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           const float at = Gx[t * LDG + c];
           Rf[t * LDF + bcl] = S;
           S *= at;
-          if (SPLIT8 && i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
+          if (i < 8) {  // e^{G_m - G_t}, m = 16 ba + 7
             Hs[t * LDF + bcl] = S8;
             S8 *= at;
           }
@@ -271,10 +272,10 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
       }
     }
 
-    // ---- SPLIT8, warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores, through the token
+    // ---- warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores, through the token
     //      m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times e^{G_t - G_m}; columns k_j e^{G_m - G_j}
     //      (j = 16a + gq): one 16x8 tile carries both products, every factor <= 1
-    if (SPLIT8 && warp < 4) {
+    if (warp < 4) {
       const int r = warp * kSub + 8 + gq, jb = warp * kSub + gq;
 #pragma unroll
       for (int s = 0; s < kKdaPass / 8; ++s) {
@@ -371,18 +372,16 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
     Ab[t1 * LDA + j] = vk1 * bj;
     Ab[t2 * LDA + j] = vk2 * bj;
   }
-  if constexpr (SPLIT8) {
-    {  // the upper-right 8x8 quarter of each diagonal block of A~: zero (that of A_kk is never read)
-      const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
-      ws_put(ws + WL.aqk, frag_index<kChunk>(a * kSub + r, a * kSub + 8 + cc), half, 0.f);
-    }
-    if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
-      const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
-      const float b0 = Bs[j], b1 = Bs[j + 1];
-      ws_put(ws + WL.aqk, frag_index<kChunk>(t, j), half, p.scale * (accq[0] * b0));
-      ws_put(ws + WL.aqk, frag_index<kChunk>(t, j + 1), half, p.scale * (accq[1] * b1));
-      *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * b0, accq[3] * b1);
-    }
+  {  // the upper-right 8x8 quarter of each diagonal block of A~: zero (that of A_kk is never read)
+    const int a = tid >> 6, r = (tid >> 3) & 7, cc = tid & 7;
+    ws_put(ws + WL.aqk, frag_index<kChunk>(a * kSub + r, a * kSub + 8 + cc), half, 0.f);
+  }
+  if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
+    const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
+    const float b0 = Bs[j], b1 = Bs[j + 1];
+    ws_put(ws + WL.aqk, frag_index<kChunk>(t, j), half, p.scale * (accq[0] * b0));
+    ws_put(ws + WL.aqk, frag_index<kChunk>(t, j + 1), half, p.scale * (accq[1] * b1));
+    *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * b0, accq[3] * b1);
   }
 #pragma unroll
   for (int u = 0; u < 3; ++u) {
