@@ -398,7 +398,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_kernel(Params p) {
 // dO: the products with dO), K Eend (dU += K Eend dS1), w (dS0 -= w^T dU) -- and rotate through two buffers of
 // [CH][kSb3LdT] floats: use i (3 per step, Q Gam first) lives in buffer i & 1, so each tile is issued when the
 // tile two uses back is consumed and has one phase of the step to land (the SM's other block fills the rest).
-// A_qk and Gam_last of chunk c - 1 are single-buffered, issued after chunk c's products with dO; dO has its own
+// A_qk (its lower triangle) and Gam_last of chunk c - 1 are single-buffered, issued after chunk c's products with
+// dO; dO has its own
 // buffer (dU its own), so dO of chunk c - 1 goes into shared memory during chunk c's K Eend phase. Three barriers
 // per step.
 constexpr int kSb3nBV = 16;
@@ -479,12 +480,14 @@ __global__ void __launch_bounds__(kSb3Threads, 2) state_bwd3n_kernel(Params p) {
       cpa16(dst + t * ld + c, src + t * KP + c);
     }
   };
-  auto issue_aq = [&](int cid) {  // A_qk and Gam_last of chunk cid
+  // A_qk and Gam_last of chunk cid; of A_qk only the 16-byte pieces that reach the diagonal or below (row t,
+  // columns c .. c + 3 with c <= t: 544 of 1024; the reads above the diagonal are masked)
+  auto issue_aq = [&](int cid) {
     const float* asrc = p.aqk + (static_cast<size_t>(cid) * HV + hv) * CH * CH;
 #pragma unroll 4
     for (int i = tid; i < CH * CH / 4; i += kSb3Threads) {
       const int t = i / (CH / 4), c = (i % (CH / 4)) * 4;
-      cpa16(aqs + t * kSb3LdA + c, asrc + t * CH + c);
+      if (c <= t) cpa16(aqs + t * kSb3LdA + c, asrc + t * CH + c);
     }
     if (tid < KP / 4) cpa16(gls + 4 * tid, p.glc + (static_cast<size_t>(cid) * HV + hv) * KP + 4 * tid);
   };
