@@ -388,6 +388,287 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_kernel(Params p) {
   store_ds(p.dh0 + nbase);
 }
 
+// ---- state_bwd3 narrow (issue #7, session 11; KDA_CUDA_CHUNK_BWD_STATE_BWD=7 tf32, =8 3xTF32; off by default):
+// the same recurrence with 16 value columns per block (twice the blocks: 256 at B1 T8192 HV32 V=128 on 132 SMs)
+// and two blocks per SM (<= 128 registers per thread at 256 threads, 113,152 bytes of shared memory, every tile
+// fp32 as in the default kernel). Per state / dU element it runs the default's arithmetic: the same fragments,
+// the same mma chains in the same k order, the same final adds; only the warp tiling (each warp 8 columns, one
+// n-tile) and the buffering differ, so its results should equal the default's (=4 / =3) bit for bit.
+// Buffering: the three CH x KP tiles of a chunk step are used one after another -- Q Gam (with A_qk, Gam_last,
+// dO: the products with dO), K Eend (dU += K Eend dS1), w (dS0 -= w^T dU) -- and rotate through two buffers of
+// [CH][kSb3LdT] floats: use i (3 per step, Q Gam first) lives in buffer i & 1, so each tile is issued when the
+// tile two uses back is consumed and has one phase of the step to land (the SM's other block fills the rest).
+// A_qk (its lower triangle) and Gam_last of chunk c - 1 are single-buffered, issued after chunk c's products with
+// dO; dO has its own
+// buffer (dU its own), so dO of chunk c - 1 goes into shared memory during chunk c's K Eend phase. Three barriers
+// per step.
+constexpr int kSb3nBV = 16;
+constexpr int kSb3nLdB = kSb3nBV + 8;  // dS, dO, dU rows: B fragment (t, g) on bank 24 t + g mod 32, conflict-free
+struct Sb3nSmem {
+  static constexpr int buf = 0;                          // [2][CH][kSb3LdT] (K Eend rows of kSb3LdKe inside)
+  static constexpr int aqk = buf + 2 * CH * kSb3LdT;     // [CH][kSb3LdA]
+  static constexpr int gl = aqk + CH * kSb3LdA;          // [KP]
+  static constexpr int ds = gl + KP;                     // [KP][kSb3nLdB] fp32 copy of dS1
+  static constexpr int du = ds + KP * kSb3nLdB;          // [CH][kSb3nLdB] dU
+  static constexpr int dO = du + CH * kSb3nLdB;          // [CH][kSb3nLdB] raw dO
+  static constexpr int floats = dO + CH * kSb3nLdB;
+};
+constexpr size_t kStateBwd3NarrowSmem = Sb3nSmem::floats * sizeof(float);
+static_assert(kStateBwd3NarrowSmem == 113152, "state_bwd3 narrow shared memory changed");
+static_assert(2 * (kStateBwd3NarrowSmem + 1024) <= 228 * 1024, "two narrow state_bwd3 blocks must fit per SM");
+static_assert(kSb3LdKe <= kSb3LdT, "a K Eend tile must fit in a rotating buffer");
+
+template <bool PC, bool PRECISE>
+__global__ void __launch_bounds__(kSb3Threads, 2) state_bwd3n_kernel(Params p) {
+  using L = Sb3nSmem;
+  constexpr int LDB = kSb3nLdB;
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * kSb3nBV;
+  extern __shared__ __align__(16) float sm[];
+  float* aqs = sm + L::aqk;
+  float* gls = sm + L::gl;
+  float* dss = sm + L::ds;
+  float* dus = sm + L::du;
+  float* dos = sm + L::dO;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
+  const int gq = lane >> 2, t4 = lane & 3;
+  const int cw = 8 * wc;         // the warp's first column in the block's 16
+  const int r0 = 32 * wi + gq;   // the warp's first dS row (tile mt: + 16 mt, second half + 8)
+  const int u0 = 16 * wi + gq;   // the warp's first dU row (second half + 8)
+  const int K = p.K, V = p.V, HV = p.HV;
+  const float scale = p.scale;
+  const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  const int off = p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
+
+  // dS: ds[mt][e] at row r0 + 16 mt + 8 (e / 2), column cw + 2 t4 + e % 2 (+ v0 in V)
+  float ds[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = r0 + 16 * mt + 8 * (e >> 1), c = v0 + cw + 2 * t4 + (e & 1);
+      ds[mt][e] = (p.dht != nullptr && r < K && c < V) ? p.dht[nbase + static_cast<int64_t>(r) * V + c] : 0.f;
+    }
+  auto put_ds = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      float* d = dss + (r0 + 16 * mt) * LDB + cw + 2 * t4;
+      *reinterpret_cast<float2*>(d) = make_float2(ds[mt][0], ds[mt][1]);
+      *reinterpret_cast<float2*>(d + 8 * LDB) = make_float2(ds[mt][2], ds[mt][3]);
+    }
+  };
+  auto store_ds = [&](float* dst) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 16 * mt + 8 * h;
+        if (r >= K) continue;
+        sb3_store_pair(dst + static_cast<int64_t>(r) * V, v0 + cw + 2 * t4, V, ds[mt][2 * h], ds[mt][2 * h + 1]);
+      }
+  };
+
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  auto bufp = [&](int i) { return sm + L::buf + i * CH * kSb3LdT; };
+  auto ktile = [&](float* dst, int ld, const float* src) {
+#pragma unroll 4
+    for (int i = tid; i < CH * KP / 4; i += kSb3Threads) {
+      const int t = i / (KP / 4), c = (i % (KP / 4)) * 4;
+      cpa16(dst + t * ld + c, src + t * KP + c);
+    }
+  };
+  // A_qk and Gam_last of chunk cid; of A_qk only the 16-byte pieces that reach the diagonal or below (row t,
+  // columns c .. c + 3 with c <= t: 544 of 1024; the reads above the diagonal are masked)
+  auto issue_aq = [&](int cid) {
+    const float* asrc = p.aqk + (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+#pragma unroll 4
+    for (int i = tid; i < CH * CH / 4; i += kSb3Threads) {
+      const int t = i / (CH / 4), c = (i % (CH / 4)) * 4;
+      if (c <= t) cpa16(aqs + t * kSb3LdA + c, asrc + t * CH + c);
+    }
+    if (tid < KP / 4) cpa16(gls + 4 * tid, p.glc + (static_cast<size_t>(cid) * HV + hv) * KP + 4 * tid);
+  };
+  // raw dO (no scale) of chunk c: row tid / 4, columns 4 (tid % 4) .. + 3 of the block's 16
+  float dn[4];
+  auto load_do = [&](int c) {
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+    const int t = tid >> 2, vc = v0 + 4 * (tid & 3);
+    const bool tok = t < cp.Cc;
+    const int64_t base = ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V) + vc;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dn[e] = (tok && vc + e < V) ? load_in(p.grad_o, base + e, p.in_dtype) : 0.f;
+  };
+  auto put_do = [&]() {
+    *reinterpret_cast<float4*>(dos + (tid >> 2) * LDB + 4 * (tid & 3)) = make_float4(dn[0], dn[1], dn[2], dn[3]);
+  };
+
+  put_ds();
+  if (nc > 0) {
+    ktile(bufp(0), kSb3LdT, p.qgc + tile(off + nc - 1));
+    issue_aq(off + nc - 1);
+    load_do(nc - 1);
+    put_do();
+  }
+  cpa_commit();
+
+  for (int s = 0; s < nc; ++s) {
+    const int c = nc - 1 - s, cid = off + c;
+    const int bq = s & 1, bk = bq ^ 1;  // Q Gam and w of chunk c in buffer bq, K Eend in bk
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+    store_ds(p.dhs + (static_cast<size_t>(cid) * HV + hv) * K * V);  // dS at the end of chunk c
+    if (c > 0) load_do(c - 1);  // into shared memory after the second barrier
+    cpa_wait<0>();              // Q Gam (buffer bq), A_qk, Gam_last of chunk c
+    __syncthreads();            // (also dO of chunk c, the dS copy; the previous step done: buffer bk free)
+    ktile(bufp(bk), kSb3LdKe, p.kendc + tile(cid));
+    cpa_commit();
+
+    // ---- the products with dO: dU = scale A_qk^T dO, dS = Gam_last dS + scale (Q Gam)^T dO
+    float du[4];
+    {
+      float xm[4], xc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xm[e] = xc[e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < CH / 8; ++ks) {
+        if (ks < 2 * wi) continue;  // A_qk[j, t] = 0 for j < t (rows t >= 16 wi)
+        const int j0 = 8 * ks + t4;
+        const float av[4] = {j0 >= u0 ? aqs[j0 * kSb3LdA + u0] : 0.f,
+                             j0 >= u0 + 8 ? aqs[j0 * kSb3LdA + u0 + 8] : 0.f,
+                             j0 + 4 >= u0 ? aqs[(j0 + 4) * kSb3LdA + u0] : 0.f,
+                             j0 + 4 >= u0 + 8 ? aqs[(j0 + 4) * kSb3LdA + u0 + 8] : 0.f};
+        uint32_t ah[4], al[4];
+        sb3_split4<PRECISE>(av, ah, al);
+        const uint32_t b0 = __float_as_uint(dos[j0 * LDB + cw + gq]);
+        const uint32_t b1 = __float_as_uint(dos[(j0 + 4) * LDB + cw + gq]);
+        if constexpr (PRECISE) sb3_mma(xc, al, b0, b1);
+        sb3_mma(xm, ah, b0, b1);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) du[e] = scale * (xm[e] + xc[e]);
+    }
+    {
+      const float* qgs = bufp(bq);
+      float ym[2][4], yc[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ym[mt][e] = yc[mt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < CH / 8; ++ks) {
+        const int t0 = 8 * ks + t4;
+        const uint32_t b0 = __float_as_uint(dos[t0 * LDB + cw + gq]);
+        const uint32_t b1 = __float_as_uint(dos[(t0 + 4) * LDB + cw + gq]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int i0 = r0 + 16 * mt;  // A(i, t) = Q Gam[t, i]
+          const float av[4] = {qgs[t0 * kSb3LdT + i0], qgs[t0 * kSb3LdT + i0 + 8], qgs[(t0 + 4) * kSb3LdT + i0],
+                               qgs[(t0 + 4) * kSb3LdT + i0 + 8]};
+          uint32_t ah[4], al[4];
+          sb3_split4<PRECISE>(av, ah, al);
+          if constexpr (PRECISE) sb3_mma(yc[mt], al, b0, b1);
+          sb3_mma(ym[mt], ah, b0, b1);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const float g0 = gls[r0 + 16 * mt], g1 = gls[r0 + 16 * mt + 8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[mt][e] = fmaf(scale, ym[mt][e] + yc[mt][e], (e < 2 ? g0 : g1) * ds[mt][e]);
+      }
+    }
+    cpa_wait<0>();    // K Eend of chunk c
+    __syncthreads();  // (from every thread); Q Gam, A_qk, Gam_last and dO consumed
+    ktile(bufp(bq), kSb3LdT, p.wc + tile(cid));  // w of chunk c over Q Gam
+    cpa_commit();
+    if (c > 0) {
+      issue_aq(cid - 1);
+      put_do();
+    }
+    cpa_commit();
+
+    // ---- dU += (K Eend) dS1 (B: the dS1 copy); two k-chains
+    {
+      const float* ke = bufp(bk);
+      float am[2][4], ac[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) am[h][e] = ac[h][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KP / 8; ++ks) {
+        const int k0 = 8 * ks + t4, h = ks & 1;
+        const float av[4] = {ke[u0 * kSb3LdKe + k0], ke[(u0 + 8) * kSb3LdKe + k0], ke[u0 * kSb3LdKe + k0 + 4],
+                             ke[(u0 + 8) * kSb3LdKe + k0 + 4]};
+        uint32_t ah[4], al[4];
+        sb3_split4<PRECISE>(av, ah, al);
+        uint32_t bh0, bl0, bh1, bl1;
+        sb3_split<PRECISE>(dss[k0 * LDB + cw + gq], bh0, bl0);
+        sb3_split<PRECISE>(dss[(k0 + 4) * LDB + cw + gq], bh1, bl1);
+        if constexpr (PRECISE) {
+          sb3_mma(ac[h], al, bh0, bh1);
+          sb3_mma(ac[h], ah, bl0, bl1);
+        }
+        sb3_mma(am[h], ah, bh0, bh1);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) du[e] += (am[0][e] + am[1][e]) + (ac[0][e] + ac[1][e]);
+      float* d = dus + u0 * LDB + cw + 2 * t4;
+      *reinterpret_cast<float2*>(d) = make_float2(du[0], du[1]);
+      *reinterpret_cast<float2*>(d + 8 * LDB) = make_float2(du[2], du[3]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = u0 + 8 * h;
+        if (t >= cp.Cc) continue;
+        sb3_store_pair(p.dU + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V), v0 + cw + 2 * t4, V, du[2 * h],
+                       du[2 * h + 1]);
+      }
+    }
+    cpa_wait<1>();    // w of chunk c (A_qk, Gam_last of chunk c - 1 may still be in flight)
+    __syncthreads();  // (from every thread); dU complete; K Eend and the dS1 copy consumed
+    if (c > 0) ktile(bufp(bk), kSb3LdT, p.qgc + tile(cid - 1));  // Q Gam of chunk c - 1 over K Eend
+    cpa_commit();
+
+    // ---- dS0 = (the above) - w^T dU
+    {
+      const float* ww = bufp(bq);
+      float zm[2][4], zc[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) zm[mt][e] = zc[mt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < CH / 8; ++ks) {
+        const int t0 = 8 * ks + t4;
+        uint32_t bh[2], bl[2];
+        sb3_split<PRECISE>(dus[t0 * LDB + cw + gq], bh[0], bl[0]);
+        sb3_split<PRECISE>(dus[(t0 + 4) * LDB + cw + gq], bh[1], bl[1]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int i0 = r0 + 16 * mt;  // A(i, t) = -w[t, i]
+          const float av[4] = {-ww[t0 * kSb3LdT + i0], -ww[t0 * kSb3LdT + i0 + 8], -ww[(t0 + 4) * kSb3LdT + i0],
+                               -ww[(t0 + 4) * kSb3LdT + i0 + 8]};
+          uint32_t ah[4], al[4];
+          sb3_split4<PRECISE>(av, ah, al);
+          if constexpr (PRECISE) {
+            sb3_mma(zc[mt], al, bh[0], bh[1]);
+            sb3_mma(zc[mt], ah, bl[0], bl[1]);
+          }
+          sb3_mma(zm[mt], ah, bh[0], bh[1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[mt][e] += zm[mt][e] + zc[mt][e];
+      put_ds();  // (the dS1 copy's readers are behind the barrier above)
+    }
+  }
+  store_ds(p.dh0 + nbase);
+}
+
 }  // namespace chunk_bwd
 }  // namespace cuda
 }  // namespace kda_kernels
