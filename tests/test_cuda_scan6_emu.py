@@ -12,6 +12,8 @@ then k-steps 0..7, o chains q~ h = 0 .. KP/8 - 1 and A~ U = 0 .. 2 rt + 1 for ro
 row tile, wrong parity, wrong scratch slot) must fail. Runs without a GPU; the CUDA code is tested by
 tests/test_cuda_scan6.py on a GPU.
 """
+import random
+
 import numpy as np
 import pytest
 
@@ -251,3 +253,166 @@ def test_smem_budget():
     xs_off = (s5 + 127) // 128 * 128
     assert s5 <= 227 * 1024 and xs_off + 2 * 8 * 32 * 16 <= 227 * 1024
     assert xs_off % 16 == 0
+
+
+# ---- the handoff of scan6<KP, true> (KDA_CUDA_CHUNK_SCAN=9): mbarriers full / empty as scan5 (tests/
+# test_cuda_scan5_emu.py), plus the warp pairs' named barriers (bar.arrive by the producer, bar.sync by the
+# consumer), with agents moving chunk tags in random interleavings ----
+
+class MBar:
+    def __init__(self, expected):
+        self.expected, self.pending, self.phase = expected, expected, 0
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.phase += 1
+            self.pending = self.expected
+
+    def done(self, parity):
+        return (self.phase & 1) != parity
+
+
+class NamedBarrier:
+    """bar.sync / bar.arrive with `count` warps: a generation completes when count warps arrived (arrive: without
+    waiting; sync: waits for the generation it joined to complete)."""
+
+    def __init__(self, count):
+        self.count, self.arrived, self.gen = count, 0, 0
+
+    def _join(self):
+        gen = self.gen
+        self.arrived += 1
+        if self.arrived == self.count:
+            self.arrived, self.gen = 0, self.gen + 1
+        return gen
+
+    def arrive(self):
+        self._join()
+
+    def sync(self):
+        gen = self._join()
+        yield lambda: self.gen != gen
+
+
+def run_ks(nch, NB=3, seed=0, mutate=None):
+    """One interleaving of scan6<KP, true>'s chunk loop: recurrence warps fin0, fin1 (kh = 0: final U rows of pair
+    wr), part0, part1 (kh = 1), hup0, hup1 (warps 4..7: h update only); output warps q0, q1 (ch = 0) and a0, a1
+    (ch = 1). Returns None or the first failed check."""
+    rng = random.Random(seed)
+    recs = ["fin0", "fin1", "part0", "part1", "hup0", "hup1"]
+    hs = [{r: None for r in recs} for _ in range(NB)]  # chunk whose h_c each recurrence warp's part holds
+    us = [[None, None] for _ in range(NB)]  # U_c row halves: ("p", c) partial chain, ("f", c) final
+    xs = [None, None]  # the output pairs' scratch
+    full = [MBar(len(recs)) for _ in range(NB)]
+    empty = [MBar(4) for _ in range(NB)]
+    rec_bar = NamedBarrier(len(recs))
+    upair = [NamedBarrier(2) for _ in range(2)]
+    ofull = [NamedBarrier(2) for _ in range(2)]
+    oempty = [NamedBarrier(2) for _ in range(2)]
+    errors = []
+
+    def check(cond, msg):
+        if not cond:
+            errors.append(msg)
+
+    def rec(name):
+        role, wr = name[:-1], int(name[-1])
+        hs[0][name] = 0
+        yield from rec_bar.sync()
+        for ci in range(nch):
+            b = ci % NB
+            if role in ("part", "hup"):  # their part of h_c is complete (rec_bar): arrive at the top
+                full[b].arrive()
+                yield None
+            if role in ("fin", "part"):
+                for r in recs:  # w h reads every part of h_c
+                    check(hs[b][r] == ci, f"{name} chunk {ci}: h part {r} holds {hs[b][r]}")
+                    yield None
+                if role == "part":
+                    us[b][wr] = ("p", ci)
+                    yield None
+                    upair[wr].arrive()
+                else:
+                    if mutate != "no_pair_sync":
+                        yield from upair[wr].sync()
+                    check(us[b][wr] == ("p", ci), f"{name} chunk {ci}: partial U holds {us[b][wr]}")
+                    yield None
+                    us[b][wr] = ("f", ci)
+                    yield None
+                    full[b].arrive()
+                    yield None
+            yield from rec_bar.sync()
+            for h in range(2):  # the h update reads all of U_c
+                check(us[b][h] == ("f", ci), f"{name} chunk {ci}: U half {h} holds {us[b][h]}")
+                yield None
+            if ci + 1 < nch:
+                nb = (ci + 1) % NB
+                if ci + 1 >= NB:
+                    yield lambda nb=nb, par=((ci + 1 - NB) // NB) & 1: empty[nb].done(par)
+                hs[nb][name] = ci + 1
+                yield None
+            yield from rec_bar.sync()
+
+    def out(name):
+        ch, wr = int(name[0] == "a"), int(name[-1])
+        for ci in range(nch):
+            b = ci % NB
+            yield lambda b=b, ci=ci: full[b].done((ci // NB) & 1)
+            if ch == 0:
+                for r in recs:
+                    check(hs[b][r] == ci, f"{name} chunk {ci}: h part {r} holds {hs[b][r]}")
+                    yield None
+            else:
+                for h in range(wr + 1):  # A~ U of rows 32 wr ..: U rows 0 .. 32 wr + 31
+                    check(us[b][h] == ("f", ci), f"{name} chunk {ci}: U half {h} holds {us[b][h]}")
+                    yield None
+            empty[b].arrive()
+            yield None
+            if ch == 1:
+                if ci > 0 and mutate != "no_scratch_wait":
+                    yield from oempty[wr].sync()
+                xs[wr] = ci
+                yield None
+                ofull[wr].arrive()
+            else:
+                yield from ofull[wr].sync()
+                check(xs[wr] == ci, f"{name} chunk {ci}: scratch holds {xs[wr]}")
+                yield None
+                oempty[wr].arrive()
+        if ch == 1 and nch > 0 and mutate != "no_scratch_wait":
+            yield from oempty[wr].sync()
+
+    agents = {n: rec(n) for n in recs}
+    agents.update({n: out(n) for n in ("q0", "q1", "a0", "a1")})
+    waits = {name: None for name in agents}
+    speed = {name: rng.choice([0.02, 0.2, 1.0, 5.0]) for name in agents}
+    while agents:
+        ready = [name for name in agents if waits[name] is None or waits[name]()]
+        if not ready:
+            return f"deadlock: {sorted(agents)} wait"
+        name = rng.choices(ready, weights=[speed[n] for n in ready])[0]
+        try:
+            waits[name] = next(agents[name])
+        except StopIteration:
+            del agents[name]
+        if errors:
+            return errors[0]
+    for nb in ofull + oempty + upair:  # every named-barrier generation completed (none left half-arrived)
+        if nb.arrived:
+            return "a named barrier was left with pending arrivals"
+    return None
+
+
+@pytest.mark.parametrize("nch", list(range(12)))
+def test_scan6_ks_handoff(nch):
+    for seed in range(30):
+        err = run_ks(nch, seed=seed)
+        assert err is None, f"nch={nch} seed={seed}: {err}"
+
+
+@pytest.mark.parametrize("mutate", ["no_pair_sync", "no_scratch_wait"])
+def test_scan6_ks_handoff_checks_can_fail(mutate):
+    fails = [run_ks(10, seed=s, mutate=mutate) for s in range(200)]
+    assert any(f is not None for f in fails)
