@@ -13,11 +13,14 @@ row tile, wrong parity, wrong scratch slot) must fail. Runs without a GPU; the C
 tests/test_cuda_scan6.py on a GPU.
 """
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from test_cuda_scan3_emu import GQ, T4, frag_index, mma8, to_frag
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cuda_scan3_emu import GQ, T4, mma8, to_frag  # noqa: E402
 
 C = 64
 LDH = 40  # Scan4Smem::LDH (32 + 8)
