@@ -27,9 +27,10 @@
 // loaded once for both row tiles (scan5's compiled code already shares them: no change in wavefronts).
 // Block: 8 recurrence warps + 4 output warps = 384 threads (at most 168 registers each); shared memory scan5's
 // (187 KB at KP = 128) + 8 KB scratch for KS; one block per SM. Handoff as scan5: h_c / U_c in NB = 3 shared
-// buffers, full[b] (8 arrivals, lane 0 after __syncwarp: the warps that write U_c after their last write of it,
-// the others at the top of the chunk step, once their part of h_c is complete, i.e. after the named barrier 1 that
-// ended the previous step) and empty[b] (4 arrivals, one per output warp after its last reads).
+// buffers, full[b] (8 arrivals, lane 0 after __syncwarp: the warps that write U_c's final values after those
+// writes, the others -- KS's kh = 1 warps too, whose partial chain only the kh = 0 warps read -- at the top of the
+// chunk step, once their part of h_c is complete, i.e. after the named barrier 1 that ended the previous step) and
+// empty[b] (4 arrivals, one per output warp after its last reads). Emulated: tests/test_cuda_scan6_emu.py.
 #pragma once
 
 #include "delta_chunk_scan5.cuh"
