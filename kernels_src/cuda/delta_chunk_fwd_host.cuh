@@ -24,6 +24,9 @@
 // scan 0.35 vs scan3's 0.48 ms at B1 T8192 H16 HV32; the forward KDA / GDN 0.91 / 0.66 vs 1.04 / 0.77 ms (B1
 // T8192), 3.57 / 2.72 vs 4.08 / 3.11 (B1 T32768), 1.87 / 1.42 vs the single kernel's 1.94 / 1.49 (B4 T4096 H=HV=32,
 // 512 blocks), 4.18 / 3.24 vs 4.70 / 3.68 (varlen mix).
+// 8 / 9 (opt-in, session 11): delta_chunk_scan6_kernel<KP, false / true> (delta_chunk_scan6.cuh) where scan3
+// applies, else as 4: scan5's products in scan5's order (bit-identical o and final state) with larger warp tiles,
+// fewer shared-memory / L1 wavefronts per chunk (9: also the U and o chains split over warp pairs). Not yet timed.
 #pragma once
 
 #include <vector>
@@ -32,6 +35,7 @@
 #include "delta_chunk_out.cuh"
 #include "delta_chunk_scan4.cuh"
 #include "delta_chunk_scan5.cuh"
+#include "delta_chunk_scan6.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
 #include "kda_chunk_prep2.cuh"
@@ -138,6 +142,19 @@ void launch_chunk_scan5(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// scan6 (KDA_CUDA_CHUNK_SCAN=8: KS = false, 9: KS = true): scan5's grid, 12 warps, scan5's shared memory (+ 8 KB).
+template <int KP, bool KS>
+void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
+  constexpr size_t bytes = Scan6Smem<KP, KS>::bytes;
+  auto kern = delta_chunk_scan6_kernel<KP, KS>;
+  allow_dynamic_smem(kern, bytes);
+  TORCH_CHECK(p.ws_stride % 4 == 0, "scan6: workspace slices must be 16-byte aligned");
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + Scan5Smem<KP>::BV - 1) / Scan5Smem<KP>::BV));
+  kern<<<grid, kScan6Threads, bytes, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
 template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
@@ -157,7 +174,9 @@ template <int KP, bool PRECISE>
 void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
     if constexpr (!PRECISE) {
-      if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
+      if (p.scan_ws == 2) launch_chunk_scan6<KP, false>(p, st);
+      else if (p.scan_ws == 3) launch_chunk_scan6<KP, true>(p, st);
+      else if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
       else launch_chunk_scan3<KP>(p, st);
     }
     return;
@@ -302,9 +321,9 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = (scan_mode >= 4 && scan_mode <= 7) ? 1 : 0;  // see the top of this file
+  p.scan3 = (scan_mode >= 4 && scan_mode <= 9) ? 1 : 0;  // see the top of this file
   p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
-  p.scan_ws = scan_mode == 7 ? 1 : 0;
+  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 9 ? 3 : 0;
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
