@@ -85,16 +85,16 @@ def timed(fn, graphs=True, eager=True, rep=None):
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
 DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE",
-           "KDA_CUDA_DEC_LEAN")
+           "KDA_CUDA_DEC_LEAN", "KDA_CUDA_DEC_IDX")
 
 
 def _v7(name):
     """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default); 'f1' ->
-    KDA_CUDA_DEC_FUSE=1; 'l1' -> KDA_CUDA_DEC_LEAN=1."""
+    KDA_CUDA_DEC_FUSE=1; 'l1' -> KDA_CUDA_DEC_LEAN=1; 'i1' -> KDA_CUDA_DEC_IDX=1."""
     env = {}
     for part in name.split("_"):
         key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG", "f": "KDA_CUDA_DEC_FUSE",
-               "l": "KDA_CUDA_DEC_LEAN"}
+               "l": "KDA_CUDA_DEC_LEAN", "i": "KDA_CUDA_DEC_IDX"}
         env[key[part[0]]] = part[1:]
     return name, env
 
@@ -118,9 +118,11 @@ SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 SWEEP10 = [_v7(n) for n in ("s1_l0", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_l0_c1")]
 # session 11: KDA_CUDA_DEC_LEAN=3 (l3: the state tile brought in by bulk copies, cp.async.bulk + an mbarrier per warp;
 # K-first fp32 cfg 2, K-first 2-byte cfg 1, V-first fp32 cfg 0; V-first bf16 runs l1's kernel, so its rows are a
-# same-kernel drift check) against LEAN=1 (l1, the default), each twice in the order l1, l3, l1, l3 (drift check);
-# every batch gets all four rows.
-SWEEP11 = [_v7("s1_l1"), _v7("s1_l3"), ("s1_l1_again", _v7("s1_l1")[1]), ("s1_l3_again", _v7("s1_l3")[1])]
+# same-kernel drift check) and KDA_CUDA_DEC_IDX=1 (i1: the pool-row index loads through the read-only path; pools only,
+# the core op has no indices: its i1 rows are drift checks) against LEAN=1 (l1, the default); l1 and l3 again at the
+# end (drift); every batch gets all six rows.
+SWEEP11 = [_v7(n) for n in ("s1_l1", "s1_l3", "s1_l1_i1", "s1_l3_i1")] + [
+    ("s1_l1_again", _v7("s1_l1")[1]), ("s1_l3_again", _v7("s1_l3")[1])]
 
 
 def set_env(env, knobs=DEC_ENV):

@@ -625,8 +625,11 @@ __device__ __forceinline__ void dec_rs_sum(float (&x)[TC], int lane, int& own) {
 // 4 KB per warp V-first) completing on an mbarrier per warp, instead of 8 cp.async of 16 bytes per lane; shared memory
 // holds the tile in its global layout (K-first 2-byte rows padded, see dec_bulk_ok), and each lane reads back the same
 // values as LEAN's: the same arithmetic, bit-identical results.
+// IDXNC (KDA_CUDA_DEC_IDX=1; LEAN only): the serving op's pool-row indices (ssm_state_indices, num_accepted_tokens)
+// are loaded through the non-coherent read-only path (ld.global.nc, L1-cached: 16 sequences per 128-byte line,
+// reused by the next ~2000 blocks) instead of plain loads: the state copies of every block wait for that load.
 template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE, bool LEAN = false,
-          int MINB = 0, bool BULK = false>
+          int MINB = 0, bool BULK = false, bool IDXNC = false>
 __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
                                   MINB ? MINB : DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
     delta_decode_kernel(const FwdParams p) {
@@ -637,6 +640,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   constexpr int NCH = VF ? TC : TR;        // 16-byte state chunks per lane: rows (K-first) or columns (V-first)
   static_assert(!LEAN || (FIX == 128 && STAGE == 1 && !FUSE && HINT != kDecHintRuntime), "LEAN variant");
   static_assert(!BULK || (LEAN && (VF ? WK == 1 : (G::LV >= 2 && G::LV <= 8))), "BULK variant");
+  static_assert(!IDXNC || LEAN, "IDXNC variant");
   constexpr int RW = G::RW;                 // rows per warp (32, 64 or 128)
   // BULK: bytes of one row of the item's slice (K-first); padding after each lane's TR rows, so that the LK rows of a
   // quarter-warp's reads (8 / LV lanes groups) fall into different banks; uint4s per chunk row added to `stage` (the
@@ -699,7 +703,17 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     }
     m.col0 = sl * CW + vg * TC;
     m.in_row = m.out_row = m.n;
-    if (p.serve && m.item < total) {
+    if (IDXNC && p.serve && m.item < total) {  // (the same values, read-only path)
+      const long long* ix = reinterpret_cast<const long long*>(p.idx);
+      if (p.idx_cols == 0) {
+        m.in_row = m.out_row = __ldg(ix + m.n);
+      } else {
+        const int start_col =
+            p.num_accepted ? static_cast<int>(__ldg(reinterpret_cast<const long long*>(p.num_accepted) + m.n)) - 1 : 0;
+        m.in_row = __ldg(ix + static_cast<int64_t>(m.n) * p.idx_cols + start_col);
+        m.out_row = __ldg(ix + static_cast<int64_t>(m.n) * p.idx_cols);
+      }
+    } else if (p.serve && m.item < total) {
       if (p.idx_cols == 0) {
         m.in_row = m.out_row = p.idx[m.n];
       } else {
