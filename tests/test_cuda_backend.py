@@ -374,15 +374,11 @@ def test_public_api_captures_in_cuda_graphs(family, part):
 # the generic ones (registers only, whatever KDA_CUDA_DEC_STAGE says; default hints). _l1: KDA_CUDA_DEC_LEAN=1
 # (session 10: the stage-1 K = V = 128 kernels with fewer instructions per item, every cfg; other shapes ignore it);
 # _l2: KDA_CUDA_DEC_LEAN=2 (the same with more blocks per SM: fp32 states 10, K-first 2-byte states 9; V-first 2-byte
-# states run _l1's kernels). _l3: KDA_CUDA_DEC_LEAN=3 (session 11: LEAN with the state tile brought in by bulk copies
-# for K-first fp32 cfg 2, K-first 2-byte cfg 1, V-first fp32 cfg 0; the other cfgs / V-first 2-byte run _l1's). _i1:
-# KDA_CUDA_DEC_IDX=1 (session 11: pool-row indices through the read-only path; K-first fp32 cfg 2, K-first 2-byte cfg 1,
-# V-first cfg 0 with LEAN=1/3; other cfgs ignore it). (test_decode_lean_bulk_vs_lean checks every pool kind and cfg.)
+# states run _l1's kernels).
 DEC_VARIANTS = ([f"cfg{c}_stage{s}" for c in range(4) for s in (0, 1, 2)] + ["general"]
                 + ["cfg1_stage1_h0", "cfg1_stage1_h11", "cfg2_stage1_h2", "cfg0_stage1_h3"]
                 + [f"cfg{c}_stage1_f1" for c in (1, 2, 3)]
-                + [f"cfg{c}_stage1_l1" for c in range(4)] + [f"cfg{c}_stage1_l2" for c in (0, 1, 2)]
-                + ["cfg2_stage1_l3", "cfg0_stage1_l3", "cfg1_stage1_l3_i1"])
+                + [f"cfg{c}_stage1_l1" for c in range(4)] + [f"cfg{c}_stage1_l2" for c in (0, 1, 2)])
 
 
 def _dec_env(monkeypatch, variant):
@@ -393,7 +389,7 @@ def _dec_env(monkeypatch, variant):
     cfg, stage, *extra = variant.split("_")
     monkeypatch.setenv("KDA_CUDA_DEC_CFG", cfg[3:])
     monkeypatch.setenv("KDA_CUDA_DEC_STAGE", stage[5:])
-    knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE", "l": "KDA_CUDA_DEC_LEAN", "i": "KDA_CUDA_DEC_IDX"}
+    knobs = {"h": "KDA_CUDA_DEC_HINT", "f": "KDA_CUDA_DEC_FUSE", "l": "KDA_CUDA_DEC_LEAN"}
     for name in knobs.values():
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KDA_CUDA_DEC_LEAN", "0")  # the session-8 kernels unless the variant says _l1 / _l2 (LEAN=1 is the default)
@@ -543,97 +539,6 @@ def test_decode_lean_vs_default(family, pool_dtype, v_first, in_dtype, cfg, lean
     ro, rs = ref(q, k, v, g, beta, scale, before[rows.clamp(min=0)])
     assert_close("o lean vs reference", ro * active.view(B, 1, 1, 1), o1, 0.005 if in_dtype != torch.float32 else 1e-5)
     assert_close("pool lean vs reference", rs[active], s1[rows[active]], 1e-5 if pool_dtype == torch.float32 else 0.005)
-
-
-def _dec_knobs(monkeypatch, cfg, lean, idx="0"):
-    monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    monkeypatch.setenv("KDA_CUDA_DEC_STAGE", "1")
-    for name in ("KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE", "KDA_CUDA_DEC_CFG"):
-        monkeypatch.delenv(name, raising=False)
-    if cfg is not None:
-        monkeypatch.setenv("KDA_CUDA_DEC_CFG", str(cfg))
-    monkeypatch.setenv("KDA_CUDA_DEC_LEAN", lean)
-    monkeypatch.setenv("KDA_CUDA_DEC_IDX", idx)
-
-
-@pytest.mark.parametrize("knobs", ["l3", "l1_i1", "l3_i1"])
-@pytest.mark.parametrize("cfg", [None, 0, 1, 2, 3], ids=["cfgdefault", "cfg0", "cfg1", "cfg2", "cfg3"])
-@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["in_fp32", "in_bf16"])
-@pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_decode_lean_bulk_vs_lean(family, pool_dtype, v_first, in_dtype, cfg, knobs, monkeypatch):
-    # KDA_CUDA_DEC_LEAN=3 (l3: bulk copies of the state tile: K-first fp32 cfg 2, K-first 2-byte cfg 1, V-first fp32
-    # cfg 0; the other cfgs and V-first 2-byte pools run LEAN=1's kernels) and KDA_CUDA_DEC_IDX=1 (i1: pool-row indices
-    # through the read-only path; the default cfgs at large batches) against LEAN=1 on the same inputs: the same values
-    # reach the same arithmetic, so o and the pool rows are bit-identical; both against the float64 reference.
-    # (i1 rows: the default cfg and cfg 3, where the knob is ignored.)
-    # B = 300 with skipped slots (partial last block, dead items), HV = 6 over H = 3, extreme gates, a pool of P > B
-    # rows in random order.
-    B, H, HV, K, V = 300, 3, 6, 128, 128
-    q, k, v, g, beta = make_inputs(family, B=B, T=1, H=H, HV=HV, K=K, V=V, dtype=in_dtype, seed=87,
-                                   extreme=True, gate_div=0.3)
-    P = B + 9
-    _, pool = _pool(P, HV, K, V, pool_dtype, v_first, seed=88)
-    gen = torch.Generator().manual_seed(89)
-    rows = torch.randperm(P, generator=gen)[:B]
-    rows[4::13] = -1
-    rows_d = rows.to(DEV)
-    before = _kfirst(pool, v_first).clone()
-    scale = K ** -0.5
-    serve = getattr(OPS, f"{family}_recurrent_serve")
-    if knobs != "l3" and cfg not in (None, 3):
-        pytest.skip("i1: the default cfg and one it ignores")
-    lean, idx = knobs[1], ("1" if knobs.endswith("_i1") else "0")
-    outs = {}
-    for key, (lv, iv) in (("base", ("1", "0")), ("new", (lean, idx))):
-        _dec_knobs(monkeypatch, cfg, lv, iv)
-        p = pool.clone()
-        o = serve(q, k, v, g, beta, scale, p, rows_d, None, None, v_first)
-        torch.cuda.synchronize()
-        outs[key] = (o.float().cpu(), _kfirst(p, v_first))
-    (o1, s1), (o3, s3) = outs["base"], outs["new"]
-    active = rows >= 0
-    assert torch.all(o3[~active] == 0)
-    assert torch.equal(o1, o3), f"o: {knobs} differs from LEAN=1"
-    assert torch.equal(s1, s3), f"pool: {knobs} differs from LEAN=1"
-    ro, rs = ref(q, k, v, g, beta, scale, before[rows.clamp(min=0)])
-    assert_close("o bulk vs reference", ro * active.view(B, 1, 1, 1), o3, 0.005 if in_dtype != torch.float32 else 1e-5)
-    assert_close("pool bulk vs reference", rs[active], s3[rows[active]], 1e-5 if pool_dtype == torch.float32 else 0.005)
-
-
-@pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "no_h0"])
-@pytest.mark.parametrize("B", [1, 5, 257])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_decode_core_fwd_lean_bulk(family, B, with_h0, monkeypatch):
-    # the core op at T = 1 (K-first fp32 state, cfg 2: the BULK kernel) with LEAN=3 against LEAN=1 (bit-identical) and
-    # the float64 reference; without h0 the BULK kernel zero-fills its shared tile instead of copying
-    q, k, v, g, beta = make_inputs(family, B=B, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=90 + B)
-    h0 = torch.randn(B, 4, 128, 128, device=DEV) if with_h0 else None
-    scale = 128 ** -0.5
-    res = {}
-    for knob in ("1", "3"):
-        _dec_knobs(monkeypatch, None, knob)
-        o, s = getattr(OPS, f"{family}_recurrent_fwd")(q, k, v, g, beta, scale, h0, None)
-        torch.cuda.synchronize()
-        res[knob] = (o.float().cpu(), s.cpu())
-    assert torch.equal(res["1"][0], res["3"][0]) and torch.equal(res["1"][1], res["3"][1])
-    ro, rs = ref(q, k, v, g, beta, scale, h0)
-    assert_close("o", ro, res["3"][0], TOL_FWD[torch.bfloat16])
-    assert_close("final_state", rs, res["3"][1], TOL_FWD[torch.bfloat16])
-
-
-@pytest.mark.parametrize("knob,bad,msg", [("KDA_CUDA_DEC_LEAN", "4", "0, 1, 2 or 3"),
-                                          ("KDA_CUDA_DEC_LEAN", "-2", "0, 1, 2 or 3"),
-                                          ("KDA_CUDA_DEC_IDX", "2", "0 or 1"), ("KDA_CUDA_DEC_IDX", "-1", "0 or 1")])
-def test_decode_lean_bad_value(knob, bad, msg, monkeypatch):
-    q, k, v, g, beta = make_inputs("kda", B=2, T=1, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, seed=3)
-    monkeypatch.setenv("KDA_CUDA_DECODE", "1")
-    monkeypatch.delenv("KDA_CUDA_DEC_LEAN", raising=False)
-    monkeypatch.delenv("KDA_CUDA_DEC_IDX", raising=False)
-    monkeypatch.setenv(knob, bad)
-    with pytest.raises(RuntimeError, match=f"{knob} must be {msg}"):
-        OPS.kda_recurrent_fwd(q, k, v, g, beta, 128 ** -0.5, None, None)
 
 
 @pytest.mark.parametrize("variant", DEC_VARIANTS)

@@ -13,10 +13,6 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session10 --decode-only --sweep10 --batches 256,64
         # decode only, plus session 10's A/B rows in the same run (SWEEP10 below: KDA_CUDA_DEC_LEAN=1 against the
         # default kernels, LEAN with each cfg) and the same-size copy ceilings
-    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session11 --decode-only --sweep11 --batches 256,64 \
-        --rep 50
-        # decode only, plus session 11's A/B rows (SWEEP11 below: KDA_CUDA_DEC_LEAN=3, bulk copies, against =1) and the
-        # same-size copy ceilings
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -85,16 +81,16 @@ def timed(fn, graphs=True, eager=True, rep=None):
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
 DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE",
-           "KDA_CUDA_DEC_LEAN", "KDA_CUDA_DEC_IDX")
+           "KDA_CUDA_DEC_LEAN")
 
 
 def _v7(name):
     """'s1_h2_c1' -> KDA_CUDA_DEC_STAGE=1, KDA_CUDA_DEC_HINT=2, KDA_CUDA_DEC_CFG=1 (unset: the default); 'f1' ->
-    KDA_CUDA_DEC_FUSE=1; 'l1' -> KDA_CUDA_DEC_LEAN=1; 'i1' -> KDA_CUDA_DEC_IDX=1."""
+    KDA_CUDA_DEC_FUSE=1; 'l1' -> KDA_CUDA_DEC_LEAN=1."""
     env = {}
     for part in name.split("_"):
         key = {"s": "KDA_CUDA_DEC_STAGE", "h": "KDA_CUDA_DEC_HINT", "c": "KDA_CUDA_DEC_CFG", "f": "KDA_CUDA_DEC_FUSE",
-               "l": "KDA_CUDA_DEC_LEAN", "i": "KDA_CUDA_DEC_IDX"}
+               "l": "KDA_CUDA_DEC_LEAN"}
         env[key[part[0]]] = part[1:]
     return name, env
 
@@ -116,13 +112,6 @@ SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 # fp32 / V-first bf16). B < 256 gets the first SWEEP7_SMALL rows.
 # (LEAN=1 is the default since that run; its "s1" / "s1_c1" rows were the LEAN=0 kernels, spelled s1_l0 / s1_l0_c1 now.)
 SWEEP10 = [_v7(n) for n in ("s1_l0", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_l0_c1")]
-# session 11: KDA_CUDA_DEC_LEAN=3 (l3: the state tile brought in by bulk copies, cp.async.bulk + an mbarrier per warp;
-# K-first fp32 cfg 2, K-first 2-byte cfg 1, V-first fp32 cfg 0; V-first bf16 runs l1's kernel, so its rows are a
-# same-kernel drift check) and KDA_CUDA_DEC_IDX=1 (i1: the pool-row index loads through the read-only path; pools only,
-# the core op has no indices: its i1 rows are drift checks) against LEAN=1 (l1, the default); l1 and l3 again at the
-# end (drift); every batch gets all six rows.
-SWEEP11 = [_v7(n) for n in ("s1_l1", "s1_l3", "s1_l1_i1", "s1_l3_i1")] + [
-    ("s1_l1_again", _v7("s1_l1")[1]), ("s1_l3_again", _v7("s1_l3")[1])]
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -140,7 +129,6 @@ def main():
     ap.add_argument("--sweep7", action="store_true")
     ap.add_argument("--sweep8", action="store_true", help="session 8's A/B rows (SWEEP8)")
     ap.add_argument("--sweep10", action="store_true", help="session 10's A/B rows (SWEEP10: KDA_CUDA_DEC_LEAN)")
-    ap.add_argument("--sweep11", action="store_true", help="session 11's A/B rows (SWEEP11: KDA_CUDA_DEC_LEAN=3)")
     ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
     ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
     ap.add_argument("--batches", default="1,64,256")
@@ -172,8 +160,7 @@ def main():
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
     rec(name="d2d_copy_4GB_rw", ms=round(ms, 4), TBps=round(copy_tbps, 3))
     del x, y
-    sweep_ab = (SWEEP11 if args.sweep11 else SWEEP10 if args.sweep10 else SWEEP8 if args.sweep8
-                else SWEEP7 if args.sweep7 else None)
+    sweep_ab = SWEEP10 if args.sweep10 else SWEEP8 if args.sweep8 else SWEEP7 if args.sweep7 else None
     if sweep_ab:  # elementwise kernels over the B=256 state's bytes under graphs: same-size ceilings
         for dt, nm in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             x = torch.randn(256 * 32 * 128 * 128, device=DEV).to(dt)
@@ -251,7 +238,7 @@ def main():
                     pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
                              ("bf16_pool_vfirst", poolvf16, True, bf16_bytes),
                              ("fp32_pool_vfirst", poolvf, True, fp32_bytes))
-                    variants = sweep_ab if B >= 256 or args.sweep11 else sweep_ab[:SWEEP7_SMALL]
+                    variants = sweep_ab if B >= 256 else sweep_ab[:SWEEP7_SMALL]
                     for vname, env in variants:
                         set_env(env)
                         _, gr = timed(lambda: core(q, k, v, g, beta32, scale, h0, None), eager=False,

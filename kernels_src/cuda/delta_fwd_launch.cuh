@@ -18,11 +18,11 @@ void launch_fwd_one(const FwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// HINT: compile-time memory hints (kDecHintRuntime: FwdParams::dec_flags at run time); FUSE, LEAN, MINB, BULK: see
+// HINT: compile-time memory hints (kDecHintRuntime: FwdParams::dec_flags at run time); FUSE, LEAN: see
 // delta_decode_kernel
 template <bool PC, bool VF, typename S, int CFG, int FIX, int STAGE,
           int HINT = dec_default_hint(static_cast<int>(sizeof(S))), bool FUSE = false, bool LEAN = false,
-          int MINB = 0, bool BULK = false, bool IDXNC = false>
+          int MINB = 0>
 void launch_dec_one(FwdParams p, cudaStream_t st) {
   constexpr int CW = dec_cw(VF, static_cast<int>(sizeof(S)), CFG);
   constexpr int WK = dec_wk(VF, static_cast<int>(sizeof(S)), CFG);
@@ -32,7 +32,7 @@ void launch_dec_one(FwdParams p, cudaStream_t st) {
   if (items == 0) return;
   constexpr int per_block = G::WI * (STAGE == 2 ? 2 : 1);
   const int64_t blocks = (items + per_block - 1) / per_block;
-  delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE, HINT, FUSE, LEAN, MINB, BULK, IDXNC>
+  delta_decode_kernel<PC, VF, S, CW, WK, FIX, STAGE, HINT, FUSE, LEAN, MINB>
       <<<static_cast<unsigned>(blocks), 32 * G::NW, 0, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -51,28 +51,11 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStrea
 // var (DecChoice::var): kDecVarDefault: the default hints of the state dtype, compiled in; at stage 1 only (the
 // default stage), kDecVarRuntimeHint: hints read from FwdParams::dec_flags (session 7's flag tests), kDecVarFuse: FUSE
 // (cfg 1-3), kDecVarLean: LEAN (any cfg; the default hints), kDecVarLeanOcc: LEAN with dec_lean_minb blocks per SM
-// (fp32 10, K-first 2-byte 9; V-first 2-byte states run kDecVarLean's kernels), kDecVarLeanBulk: LEAN with the state
-// tile brought in by bulk copies (the configurations of dec_bulk_ok: K-first fp32 cfg 2, K-first 2-byte cfg 1,
-// V-first fp32 cfg 0, i.e. those defaults; other cfgs and V-first 2-byte states run kDecVarLean's kernels).
+// (fp32 10, K-first 2-byte 9; V-first 2-byte states run kDecVarLean's kernels).
 template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStream_t st) {
   constexpr int DH = dec_default_hint(static_cast<int>(sizeof(S)));
   constexpr int MB = dec_lean_minb(VF, static_cast<int>(sizeof(S)));
-  constexpr int BC = VF ? 0 : (sizeof(S) == 4 ? 2 : 1);  // the one cfg that may have a BULK kernel (dec_bulk_ok)
-  constexpr bool BOK = dec_bulk_ok(VF, static_cast<int>(sizeof(S)), BC);
-  if constexpr (BOK) {
-    if (stage == 1 && var == kDecVarLeanBulk && cfg == BC)
-      return launch_dec_one<PC, VF, S, BC, 128, 1, DH, false, true, 0, true>(p, st);
-  }
-  // KDA_CUDA_DEC_IDX=1 (kDecVarLeanIdx / kDecVarLeanBulkIdx): index loads through the read-only path, built for cfg BC
-  // only (the default at large batches of every layout and dtype); other cfgs run the kernels without it
-  if (stage == 1 && cfg == BC && (var == kDecVarLeanIdx || var == kDecVarLeanBulkIdx)) {
-    if constexpr (BOK) {
-      if (var == kDecVarLeanBulkIdx)
-        return launch_dec_one<PC, VF, S, BC, 128, 1, DH, false, true, 0, true, true>(p, st);
-    }
-    return launch_dec_one<PC, VF, S, BC, 128, 1, DH, false, true, 0, false, true>(p, st);
-  }
   if constexpr (MB != 0) {
     if (stage == 1 && var == kDecVarLeanOcc) {
       switch (cfg) {
@@ -83,8 +66,7 @@ void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStrea
       }
     }
   }
-  if (stage == 1 && (var == kDecVarLean || var == kDecVarLeanOcc || var == kDecVarLeanBulk || var == kDecVarLeanIdx ||
-                     var == kDecVarLeanBulkIdx)) {
+  if (stage == 1 && (var == kDecVarLean || var == kDecVarLeanOcc)) {
     switch (cfg) {
       case 0: return launch_dec_one<PC, VF, S, 0, 128, 1, DH, false, true>(p, st);
       case 1: return launch_dec_one<PC, VF, S, 1, 128, 1, DH, false, true>(p, st);
@@ -152,8 +134,7 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   d.vvec = p.V % 8 == 0 && aligned16(p.v);
   DecChoice c = choose_dec(p.N, p.HV, VF, static_cast<int>(sizeof(S)));
   // LEAN indexes items with 32-bit unsigned math (at most 128 / 4 = 32 slices per head)
-  const bool lean = c.var == kDecVarLean || c.var == kDecVarLeanOcc || c.var == kDecVarLeanBulk ||
-                    c.var == kDecVarLeanIdx || c.var == kDecVarLeanBulkIdx;
+  const bool lean = c.var == kDecVarLean || c.var == kDecVarLeanOcc;
   if (lean && static_cast<int64_t>(p.N) * p.HV * 32 >= (int64_t{1} << 31)) c.var = kDecVarDefault;
   d.dec_flags = c.flags;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {

@@ -174,14 +174,8 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // instructions per item: 32-bit item indices, KDA gate exps once per row before the state arrives, reduce-scatter of
 // o; see delta_decode_kernel), every cfg;
 // KDA_CUDA_DEC_LEAN=2: the same with more blocks per SM (dec_lean_minb: fp32 states 10, K-first 2-byte states 9;
-// V-first 2-byte states as =1). KDA_CUDA_DEC_LEAN=3 (session 11, off by default): LEAN with the state tile brought
-// into shared memory by Hopper bulk copies (cp.async.bulk + an mbarrier per warp) for the configurations of
-// dec_bulk_ok (K-first fp32 cfg 2, K-first 2-byte cfg 1, V-first fp32 cfg 0: those defaults); other cfgs and V-first
-// 2-byte states run =1's kernels. Values other than 0-3 are refused. KDA_CUDA_DEC_IDX=1 (session 11, off by default;
-// with LEAN=1 or 3, the default cfg at large batches of each layout/dtype): the serving op's pool-row indices loaded
-// through the read-only path (ld.global.nc); 0 or unset: plain loads; other values are refused.
-constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4,
-              kDecVarLeanBulk = 5, kDecVarLeanIdx = 6, kDecVarLeanBulkIdx = 7;
+// V-first 2-byte states as =1).
+constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4;
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
@@ -207,20 +201,12 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
   // kind in the candidate call, cuda_decode_session10_candidates.json); an explicit FUSE=1 or HINT still selects its
   // kernels when LEAN is unset, and LEAN=0 the session-8 kernels.
   const int lean = env_int("KDA_CUDA_DEC_LEAN", -1);
-  TORCH_CHECK(lean >= -1 && lean <= 3, "KDA_CUDA_DEC_LEAN must be 0, 1, 2 or 3 (or unset), got ",
-              std::getenv("KDA_CUDA_DEC_LEAN"));
   c.var = lean == 1                              ? kDecVarLean
           : lean == 2                            ? kDecVarLeanOcc
-          : lean == 3                            ? kDecVarLeanBulk
           : env_int("KDA_CUDA_DEC_FUSE", 0) == 1 ? kDecVarFuse
           : hint >= 0                            ? kDecVarRuntimeHint
           : lean == 0                            ? kDecVarDefault
                                                  : kDecVarLean;
-  const int idxnc = env_int("KDA_CUDA_DEC_IDX", 0);
-  TORCH_CHECK(idxnc == 0 || idxnc == 1, "KDA_CUDA_DEC_IDX must be 0 or 1 (or unset), got ",
-              std::getenv("KDA_CUDA_DEC_IDX"));
-  if (idxnc == 1 && c.var == kDecVarLean) c.var = kDecVarLeanIdx;
-  if (idxnc == 1 && c.var == kDecVarLeanBulk) c.var = kDecVarLeanBulkIdx;
   return c;
 }
 

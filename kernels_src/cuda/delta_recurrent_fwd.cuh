@@ -532,51 +532,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// BULK (KDA_CUDA_DEC_LEAN=3) helpers: Hopper bulk copies (cp.async.bulk, the TMA unit) of whole contiguous runs of the
-// state tile into shared memory, completed on one mbarrier per warp (used once per block: phase 0)
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
-  // make the initialised barrier visible to the async proxy (the bulk copies complete on it)
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(a), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, unsigned parity) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned ok;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred P1;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, P1;\n"
-        "}\n"
-        : "=r"(ok)
-        : "r"(a), "r"(parity)
-        : "memory");
-  } while (!ok);
-}
-// global -> shared bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned), completing on `bar`
-__device__ __forceinline__ void bulk_g2s(void* smem, const void* gmem, unsigned bytes, uint64_t* bar) {
-  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const unsigned ba = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(sa),
-               "l"(gmem), "r"(bytes), "r"(ba) : "memory");
-}
-// The configurations with a BULK kernel (others run LEAN=1's): one warp's share of an item is 4 KB made of
-//   K-first fp32 cfg 2 (32 columns, 4 warps): 32 rows of 128 contiguous bytes, one bulk copy per lane;
-//   K-first 2-byte cfg 1 (32 columns, 2 warps): 64 rows of 64 bytes, two per lane (shared memory rows padded by 64
-//     bytes every 8 rows, so that the two rows a quarter-warp reads sit in different banks);
-//   V-first fp32 cfg 0 (one warp per item): the item's 8 columns, 4 KB contiguous, one bulk copy by lane 0.
-// (V-first 2-byte cfg 0 spilled 460 bytes with BULK against LEAN's 28: not built; it meets issue #5's bf16 target.)
-__host__ __device__ constexpr bool dec_bulk_ok(bool vf, int esize, int cfg) {
-  return vf ? (esize == 4 && cfg == 0) : (esize == 4 ? cfg == 2 : cfg == 1);
-}
-
 // LEAN (KDA_CUDA_DEC_LEAN) helpers. Recursive-halving reduce-scatter over the LK lanes that share a lane's columns
 // (the kg bits of the lane index: xor masks 1 .. LK/2 for V-first, LV .. 16 for K-first): each round a lane keeps
 // half of its partial sums (the upper half when its mask bit is set), sends the other half to its partner and adds
@@ -620,16 +575,8 @@ __device__ __forceinline__ void dec_rs_sum(float (&x)[TC], int lane, int& own) {
 // column each, instead of TC log2(LK) shuffles and TC scalar stores by the kg == 0 lanes.
 // MINB: blocks per SM for __launch_bounds__ (0: DecBounds' default, 8 at stage 1; KDA_CUDA_DEC_LEAN=2 runs the LEAN
 // kernels with dec_lean_minb blocks per SM).
-// BULK (KDA_CUDA_DEC_LEAN=3; LEAN only, the configurations of dec_bulk_ok): the state tile comes into shared memory by
-// Hopper bulk copies (cp.async.bulk, one per contiguous run: a 128- or 64-byte row segment per lane K-first, the whole
-// 4 KB per warp V-first) completing on an mbarrier per warp, instead of 8 cp.async of 16 bytes per lane; shared memory
-// holds the tile in its global layout (K-first 2-byte rows padded, see dec_bulk_ok), and each lane reads back the same
-// values as LEAN's: the same arithmetic, bit-identical results.
-// IDXNC (KDA_CUDA_DEC_IDX=1; LEAN only): the serving op's pool-row indices (ssm_state_indices, num_accepted_tokens)
-// are loaded through the non-coherent read-only path (ld.global.nc, L1-cached: 16 sequences per 128-byte line,
-// reused by the next ~2000 blocks) instead of plain loads: the state copies of every block wait for that load.
 template <bool PC, bool VF, typename S, int CW, int WK, int FIX, int STAGE, int HINT, bool FUSE, bool LEAN = false,
-          int MINB = 0, bool BULK = false, bool IDXNC = false>
+          int MINB = 0>
 __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
                                   MINB ? MINB : DecBounds<VF, S, CW, WK, STAGE>::kMinBlocks)
     delta_decode_kernel(const FwdParams p) {
@@ -639,27 +586,14 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
   constexpr int IPW = STAGE == 2 ? 2 : 1;  // items per warp group
   constexpr int NCH = VF ? TC : TR;        // 16-byte state chunks per lane: rows (K-first) or columns (V-first)
   static_assert(!LEAN || (FIX == 128 && STAGE == 1 && !FUSE && HINT != kDecHintRuntime), "LEAN variant");
-  static_assert(!BULK || (LEAN && (VF ? WK == 1 : (G::LV >= 2 && G::LV <= 8))), "BULK variant");
-  static_assert(!IDXNC || LEAN, "IDXNC variant");
   constexpr int RW = G::RW;                 // rows per warp (32, 64 or 128)
-  // BULK: bytes of one row of the item's slice (K-first); padding after each lane's TR rows, so that the LK rows of a
-  // quarter-warp's reads (8 / LV lanes groups) fall into different banks; uint4s per chunk row added to `stage` (the
-  // padding, plus 16 bytes at the end of the warp's region for its mbarrier); bytes the warp's copies bring
-  constexpr int ESZ = static_cast<int>(sizeof(S));
-  constexpr int RB = CW * ESZ;
-  constexpr int BPAD = BULK && !VF ? ((RB - G::TR * RB) % 128 + 128) % 128 : 0;
-  static_assert(!BULK || (G::LK * BPAD) % (NCH * 16) == 0, "BULK padding");
-  constexpr int SPAD = BULK ? (G::LK * BPAD) / (NCH * 16) + 1 : 0;
-  constexpr unsigned WBYTES = VF ? CW * 128 * ESZ : RW * RB;
-  static_assert(!BULK || WBYTES + G::LK * BPAD + 16 <= NCH * (32 + SPAD) * 16, "BULK region");
   constexpr int GPL = RW / 32;              // LEAN: gate rows per lane
   __shared__ __align__(16) float gexp[LEAN && PC ? NW : 1][LEAN && PC ? RW : 1];  // LEAN: e^g of the warp's rows
   __shared__ float red_p[IPW][WI][WK][CW];  // per item: a warp may write item 1's partials while another still
                                            // reads item 0's (the second barrier is arrive-only for warps > 0)
   __shared__ float red_o[WI][WK][CW];
   __shared__ float red_q[FUSE ? IPW : 1][FUSE ? WI : 1][FUSE ? WK : 1][FUSE ? CW + 1 : 1];  // FUSE: o's, k.q
-  __shared__ uint4 stage[STAGE ? NW : 1][IPW][STAGE ? NCH : 1][32 + SPAD];  // [chunk][lane]: conflict-free accesses
-                                                                         // (BULK: the tile in its global layout)
+  __shared__ uint4 stage[STAGE ? NW : 1][IPW][STAGE ? NCH : 1][32];  // [chunk][lane]: conflict-free accesses
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wi = warp / WK, wk = warp % WK;
@@ -703,17 +637,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     }
     m.col0 = sl * CW + vg * TC;
     m.in_row = m.out_row = m.n;
-    if (IDXNC && p.serve && m.item < total) {  // (the same values, read-only path)
-      const long long* ix = reinterpret_cast<const long long*>(p.idx);
-      if (p.idx_cols == 0) {
-        m.in_row = m.out_row = __ldg(ix + m.n);
-      } else {
-        const int start_col =
-            p.num_accepted ? static_cast<int>(__ldg(reinterpret_cast<const long long*>(p.num_accepted) + m.n)) - 1 : 0;
-        m.in_row = __ldg(ix + static_cast<int64_t>(m.n) * p.idx_cols + start_col);
-        m.out_row = __ldg(ix + static_cast<int64_t>(m.n) * p.idx_cols);
-      }
-    } else if (p.serve && m.item < total) {
+    if (p.serve && m.item < total) {
       if (p.idx_cols == 0) {
         m.in_row = m.out_row = p.idx[m.n];
       } else {
@@ -743,32 +667,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
       const Item& m = items[it];
       const bool live = m.item < total && m.in_row >= 0 && p.s_in != nullptr;
       const S* src = reinterpret_cast<const S*>(p.s_in) + m.in_row * row_elems + m.hv * head_elems;
-      if constexpr (BULK) {
-        char* wb = reinterpret_cast<char*>(&stage[warp][0][0][0]);
-        uint64_t* bar = reinterpret_cast<uint64_t*>(wb + NCH * (32 + SPAD) * 16 - 16);
-        if (live) {
-          if (lane == 0) {
-            mbar_init(bar, 1);
-            mbar_arrive_expect_tx(bar, WBYTES);
-          }
-          __syncwarp();
-          const int cs0 = m.col0 - vg * TC;  // the item's first column (uniform over the warp)
-          if constexpr (VF) {  // WK = 1: the item's CW columns of K = 128 values, contiguous
-            if (lane == 0) bulk_g2s(wb, src + static_cast<int64_t>(cs0) * FIX, WBYTES, bar);
-          } else {  // the warp's RW rows, RB contiguous bytes each
-            const S* ws = src + static_cast<int64_t>(wk * RW) * FIX + cs0;
-#pragma unroll
-            for (int r = lane; r < RW; r += 32) bulk_g2s(wb + r * RB + (r / G::TR) * BPAD, ws + r * FIX, RB, bar);
-          }
-        } else {  // (s_in == nullptr: zeros; other dead items never read it)
-          uint4* w4 = reinterpret_cast<uint4*>(wb);
-          static_assert((WBYTES + G::LK * BPAD) % 512 == 0, "BULK zeros");
-#pragma unroll
-          for (int i = 0; i < static_cast<int>(WBYTES + G::LK * BPAD) / 512; ++i)
-            w4[32 * i + lane] = make_uint4(0, 0, 0, 0);
-        }
-        continue;
-      } else if constexpr (full) {  // every chunk is whole: one test per item, not per chunk
+      if constexpr (full) {  // every chunk is whole: one test per item, not per chunk
         if (live && LEAN) {  // one 64-bit base address, constant chunk strides (K = V = FIX: immediate offsets)
           const S* s0 = src + chunk_off(m.col0, 0);
 #pragma unroll
@@ -884,13 +783,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
         for (int i = 0; i < TR; ++i) dv[i] = d0;
       }
     }
-    if constexpr (BULK) {  // (a live item here: its copies were issued above unless s_in == nullptr)
-      if (p.s_in != nullptr) {
-        char* wb = reinterpret_cast<char*>(&stage[warp][0][0][0]);
-        mbar_wait_parity(reinterpret_cast<uint64_t*>(wb + NCH * (32 + SPAD) * 16 - 16), 0);
-      }
-      __syncwarp();  // (s_in == nullptr: the zeros of other lanes)
-    } else if constexpr (STAGE != 0) {  // each lane reads back only the chunks it copied itself
+    if constexpr (STAGE != 0) {  // each lane reads back only the chunks it copied itself
       if (IPW - 1 - it == 1) cp_async_wait<1>();
       else cp_async_wait<0>();
     }
@@ -907,11 +800,7 @@ __global__ void __launch_bounds__(DecBounds<VF, S, CW, WK, STAGE>::kThreads,
     }
     // chunk c as fp32 values
     auto get_chunk = [&](int c, float (&x)[E]) {
-      if constexpr (BULK) {  // the tile in its global layout (see BPAD)
-        const char* wb = reinterpret_cast<const char*>(&stage[warp][0][0][0]);
-        const int off = VF ? (vg * TC + c) * (RW * ESZ) + kg * 16 : (kg * G::TR + c) * RB + kg * BPAD + vg * 16;
-        dec_load_state<S, E>(reinterpret_cast<const S*>(wb + off), x, E, true);
-      } else if constexpr (STAGE != 0) {
+      if constexpr (STAGE != 0) {
         dec_load_state<S, E>(reinterpret_cast<const S*>(&stage[warp][it][c][lane]), x, E, true);
       } else if constexpr (VF) {
 #pragma unroll
