@@ -60,7 +60,7 @@ KNOB_SWEEPS = [
      "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
-     "bf16/fp16 inputs, 7 / 8 state_bwd3 narrow (tf32 / 3xTF32): 16 value columns per block, two per SM"),
+     "bf16/fp16 inputs"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),

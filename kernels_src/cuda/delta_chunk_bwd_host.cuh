@@ -119,13 +119,6 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
-    // 7 / 8 = state_bwd3 narrow, tf32 / 3xTF32 (session 11, off by default): 16 value columns per block, two blocks
-    // per SM, the same arithmetic as 4 / 3 (delta_chunk_bwd_state_bwd3.cuh, state_bwd3n_kernel)
-    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 7 ||
-                    c[kCfgStateBwd] == 8,
-                "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd],
-                " is not a state_bwd kernel (2 state_bwd2, 3 / 4 state_bwd3 3xTF32 / tf32, 7 / 8 its narrow instance "
-                "tf32 / 3xTF32)");
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -252,13 +245,7 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   const int64_t mode = bwd_cfg(work, kCfgStateBwd);
   // state_bwd3 (delta_chunk_bwd_state_bwd3.cuh): bf16/fp16 inputs, 217 KB of shared memory per block (within
   // kGradSmem, which every chunked backward checks the device for before its first stage)
-  if ((mode == 7 || mode == 8) && p.in_dtype != kF32) {
-    // state_bwd3 narrow (KDA_CUDA_CHUNK_BWD_STATE_BWD=7 tf32 / 8 3xTF32): 16 columns per block, 110.5 KB, two per SM
-    auto kern = mode == 8 ? cb::state_bwd3n_kernel<PC, true> : cb::state_bwd3n_kernel<PC, false>;
-    allow_dynamic_smem(kern, cb::kStateBwd3NarrowSmem, /*max_carveout=*/true);
-    const dim3 gnar(s.N, s.HV, (s.V + cb::kSb3nBV - 1) / cb::kSb3nBV);
-    kern<<<gnar, cb::kSb3Threads, cb::kStateBwd3NarrowSmem, st>>>(p);
-  } else if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
+  if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
