@@ -11,11 +11,12 @@ bf16/fp16 inputs runs its own prep kernel (gdn_chunk_prep2.cuh; test_gdn_prep_re
 Likewise KDA with bf16/fp16 inputs (kda_chunk_prep2.cuh with the 8x8 split; test_kda_prep2_reference). The v1 KDA
 prep (KDA_CUDA_KDA_PREP=1) and the generic prep for 16-bit inputs (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were
 retired in session 9, the GDN prep v1 (KDA_CUDA_GDN_PREP=1) and the KDA prep v2 without the split (KDA_CUDA_KDA_PREP=2)
-in session 11 (test_retired_fwd_knob_values_are_refused).
-The scan is the warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default since session 9)
-where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
-KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel); test_chunk_fwd_scan5 and
-test_chunk_scan5_vs_scan3* check it against the float64 reference and the bulk-prefetch scan.
+in session 11, as was scan6 with warp pairs (KDA_CUDA_CHUNK_SCAN=9) (test_retired_fwd_knob_values_are_refused).
+The scan is delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since session 11; tests/test_cuda_scan6.py
+compares it bit for bit with scan5) where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16
+test above runs it; fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel); the
+warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default in sessions 9 and 10):
+test_chunk_fwd_scan5 and test_chunk_scan5_vs_scan3* check it against the float64 reference and the bulk-prefetch scan.
 test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the
 float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks), test_chunk_scan3_vs_single
 (against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan (=4, the default until session
@@ -224,7 +225,8 @@ def test_kda_prep2_reference(case, dtype, ws, monkeypatch):
 # knob values whose kernels were retired in sessions 9 to 11 (docs/cuda.md, "Retired kernels"): refused at the call
 RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "0"),
                ("gdn", "KDA_CUDA_GDN_PREP", "0"), ("kda", "KDA_CUDA_KDA_PREP", "4"), ("kda", "KDA_CUDA_KDA_PREP", "5"),
-               ("gdn", "KDA_CUDA_GDN_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "2")]
+               ("gdn", "KDA_CUDA_GDN_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "2"),
+               ("kda", "KDA_CUDA_CHUNK_SCAN", "9"), ("gdn", "KDA_CUDA_CHUNK_SCAN", "9")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

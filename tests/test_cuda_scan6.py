@@ -1,11 +1,11 @@
-"""The opt-in chunked-forward scans delta_chunk_scan6_kernel<KP, false> (KDA_CUDA_CHUNK_SCAN=8) and <KP, true> (9)
-(kernels_src/cuda/delta_chunk_scan6.cuh, session 11) against the default warp-specialized scan
-delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, set explicitly) and the float64 reference (tests/ref_delta.py,
-DESIGN.md section 6).
+"""The chunked-forward scan delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since session 11;
+kernels_src/cuda/delta_chunk_scan6.cuh) against the warp-specialized scan delta_chunk_scan5_kernel (the default
+before, KDA_CUDA_CHUNK_SCAN=7), both set explicitly, and the float64 reference (tests/ref_delta.py, DESIGN.md
+section 6); the knob unset runs scan6.
 
 scan6 runs scan5's products in scan5's order (U: two chains over even / odd k-steps, by 4 warps of 32 columns
-instead of 8 of 16 (8), or by warp pairs, one chain each, handed over through shared memory (9); h: the decay then
-the 8 k-steps; o: the q~ h and A~ U chains by 4 output warps of 32 columns (8) or by warp pairs, one chain each (9)),
+instead of 8 of 16; h: the decay then the 8 k-steps; o: the q~ h and A~ U chains by 4 output warps of 32 columns
+instead of 8 of 16),
 so o and the final state are expected bit-equal to scan5's (the tests compare with torch.equal). The index math of
 the new warp tiles is emulated on the CPU by tests/test_cuda_scan6_emu.py. Cases: random and correlated keys, gates logsigmoid(randn)/{0.1, 10},
 extreme gates (30 % at -20, some at -1e4), T not a multiple of the chunk (1, 63, 65, 200), T2048 (32 chunks: every
@@ -37,14 +37,14 @@ CASES6 = ["T1", "T63", "T65", "T200", "T2048", "correlated_keys", "gate_div_0.1"
 FP16_CASES = ("T65", "extreme_gates", "varlen", "odd_kv", "odd_v", "cp_width_v256")
 
 
-@functools.lru_cache(maxsize=None)  # shared by modes 8 and 9 (same inputs)
+@functools.lru_cache(maxsize=None)  # shared by the bf16 / fp16 parametrizations
 def _reference(family, case, dtype):
     (q, k, v, g, beta), h0, cu = case_inputs(family, case, dtype)
     return ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=q.shape[3] ** -0.5,
                           initial_state=None if h0 is None else h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
 
 
-MODES = ["8", "9"]
+MODES = ["8"]  # (9, scan6 with warp pairs, was retired in session 11: refused, tests/test_cuda_chunk_fwd.py)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -133,6 +133,23 @@ def test_scan6_cuda_graph(family, mode, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_scan6_fp32_inputs_fall_back(family, mode, monkeypatch):
-    """fp32 inputs (fp32 workspace) take the single kernel under 8 / 9, as under 7."""
+    """fp32 inputs (fp32 workspace) take the single kernel under 8, as under 7."""
     (o7, s7), (o8, s8) = fwd_per_knob(family, "T200", torch.float32, "ws_bf16", KNOB, ("7", mode), monkeypatch)
     assert torch.equal(o7, o8) and torch.equal(s7, s8)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan6_is_the_default(family, monkeypatch):
+    """The knob unset runs scan6: the same bits as KDA_CUDA_CHUNK_SCAN=8, and the kernel profiled is scan6's."""
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "T200", torch.bfloat16)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    monkeypatch.setenv(KNOB, "8")
+    o8, s8 = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    monkeypatch.delenv(KNOB, raising=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        o, s = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+        torch.cuda.synchronize()
+    assert torch.equal(o, o8) and torch.equal(s, s8)
+    names = [e.name for e in prof.events()]
+    assert any("delta_chunk_scan6_kernel" in n for n in names), sorted(set(names))
+    assert not any("delta_chunk_scan5_kernel" in n for n in names)

@@ -56,7 +56,7 @@ struct ChunkFwdParams {
   int64_t ws_stride;  // floats per (chunk, head)
   int scan3;          // 1: the bulk-prefetch scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4)
   int scan_split;     // 1 / 2: the split scan4 + out kernels, fp32 / bf16 h_c and U_c (KDA_CUDA_CHUNK_SCAN=5 / 6)
-  int scan_ws;        // 1: delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7); 2 / 3: scan6 <KP, false / true> (8 / 9)
+  int scan_ws;        // 1: delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7); 2: scan6 (8, the default)
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]

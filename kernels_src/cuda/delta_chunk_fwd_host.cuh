@@ -14,19 +14,22 @@
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
 // applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
 // 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
-// unset (0): 7 (session 9; before: 4 when its blocks fit on the SMs at once, else 1 -- see chunk_fwd_params below).
+// unset (0): 8 (session 11; 7 from session 9; before: 4 when its blocks fit on the SMs at once, else 1 -- see
+// chunk_fwd_params below).
 // 5 / 6 (opt-in): the split forward where scan3 applies -- the state-only scan delta_chunk_scan4_kernel storing each
 // chunk's start state h_c and U = u0 - w h (5: fp32, 6: bf16) in a per-call buffer, then delta_chunk_out_kernel
 // computing every chunk's o = q~ h_c + A~ U_c in parallel (chunk_scan_run); elsewhere as 4.
-// 7 (the default since session 9): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8
+// 7 (the default in sessions 9 and 10): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8
 // recurrence warps as scan4, 8 output warps computing each chunk's o from shared h_c / U_c buffers); elsewhere as 4
 // (so the single kernel for fp32 inputs / workspaces). Measured on the H200 (session 9 candidate call, graphs):
 // scan 0.35 vs scan3's 0.48 ms at B1 T8192 H16 HV32; the forward KDA / GDN 0.91 / 0.66 vs 1.04 / 0.77 ms (B1
 // T8192), 3.57 / 2.72 vs 4.08 / 3.11 (B1 T32768), 1.87 / 1.42 vs the single kernel's 1.94 / 1.49 (B4 T4096 H=HV=32,
 // 512 blocks), 4.18 / 3.24 vs 4.70 / 3.68 (varlen mix).
-// 8 / 9 (opt-in, session 11): delta_chunk_scan6_kernel<KP, false / true> (delta_chunk_scan6.cuh) where scan3
-// applies, else as 4: scan5's products in scan5's order (bit-identical o and final state) with larger warp tiles,
-// fewer shared-memory / L1 wavefronts per chunk (9: also the U and o chains split over warp pairs). Not yet timed.
+// 8 (the default since session 11): delta_chunk_scan6_kernel (delta_chunk_scan6.cuh) where scan3 applies, else as
+// 4: scan5's products in scan5's order (bit-identical o and final state) with larger warp tiles, fewer shared-memory
+// / L1 wavefronts per chunk. Session 11 candidate call (one H200): scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
+// HV32; forward under graphs KDA 0.864 vs 0.912, GDN 0.546 vs 0.586 ms; varlen mix KDA 4.01 vs 4.08, GDN 2.68 vs
+// 2.80. 9 (its variant with the U and o chains split over warp pairs, 0.427 ms) was retired in the same session.
 #pragma once
 
 #include <vector>
@@ -142,11 +145,11 @@ void launch_chunk_scan5(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// scan6 (KDA_CUDA_CHUNK_SCAN=8: KS = false, 9: KS = true): scan5's grid, 12 warps, scan5's shared memory (+ 8 KB).
-template <int KP, bool KS>
+// scan6 (KDA_CUDA_CHUNK_SCAN=8, the default): scan5's grid, 12 warps, scan5's shared memory.
+template <int KP>
 void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
-  constexpr size_t bytes = Scan6Smem<KP, KS>::bytes;
-  auto kern = delta_chunk_scan6_kernel<KP, KS>;
+  constexpr size_t bytes = Scan5Smem<KP>::bytes;
+  auto kern = delta_chunk_scan6_kernel<KP>;
   allow_dynamic_smem(kern, bytes);
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan6: workspace slices must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
@@ -174,8 +177,7 @@ template <int KP, bool PRECISE>
 void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
     if constexpr (!PRECISE) {
-      if (p.scan_ws == 2) launch_chunk_scan6<KP, false>(p, st);
-      else if (p.scan_ws == 3) launch_chunk_scan6<KP, true>(p, st);
+      if (p.scan_ws == 2) launch_chunk_scan6<KP>(p, st);
       else if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
       else launch_chunk_scan3<KP>(p, st);
     }
@@ -300,10 +302,11 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   if (fresh) {
     // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
     const int64_t ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
-    // Unset: the warp-specialized scan (7) at every size (session 9: faster than both the bulk-prefetch scan and
-    // the single kernel at 128 to 2048 blocks; see the top of this file).
+    // Unset: scan6 (8) at every size (session 11: scan5's products with fewer wavefronts; scan5, 7, was faster than
+    // both the bulk-prefetch scan and the single kernel at 128 to 2048 blocks; see the top of this file).
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 9, "scan6 with warp pairs (delta_chunk_scan6_kernel<KP, true>)", 11);
     int64_t scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
-    if (scan_mode == 0) scan_mode = 7;
+    if (scan_mode == 0) scan_mode = 8;
     const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N
                                       : static_cast<int64_t>(s.B) * ((s.T + kChunk - 1) / kChunk);
     TORCH_CHECK(mc < (1LL << 31), "[", op, "] too many chunks");
@@ -321,9 +324,9 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = (scan_mode >= 4 && scan_mode <= 9) ? 1 : 0;  // see the top of this file
+  p.scan3 = (scan_mode >= 4 && scan_mode <= 8) ? 1 : 0;  // see the top of this file
   p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
-  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 9 ? 3 : 0;
+  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : 0;
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
