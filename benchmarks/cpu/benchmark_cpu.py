@@ -314,7 +314,7 @@ def main(argv=None):
                 for rnd in range(args.rounds):
                     if "ours" in thunks:  # ours: 1 and 2 threads interleaved, `sub` rounds
                         alternate(thunks["ours"], threads, rounds=sub, block_s=min_time / args.rounds / sub,
-                                  samples=ours_s)
+                                  samples=ours_s, warm=rnd == 0)
                         for n in threads:
                             best[("ours", n)] = min(ours_s[n]) / T * 1e6
                     for n in threads:

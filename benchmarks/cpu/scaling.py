@@ -17,16 +17,21 @@ import time
 import torch
 
 
-def alternate(fn, threads=(1, 2), rounds=5, block_s=0.02, samples=None):
+def alternate(fn, threads=(1, 2), rounds=5, block_s=0.02, samples=None, warm=False):
     """Times fn() at each thread count, interleaved: `rounds` rounds, each running every thread count (in reverse
     order on odd rounds) for about block_s (at least one timed call, after one untimed call when a call is shorter
     than 20 ms: the first region after a thread-count change pays for it). A round's value for a thread count is
-    its fastest call there. Returns {n: [seconds per round]}, appended to `samples` if given."""
+    its fastest call there. warm: one untimed call first (a case's first call pays for page faults and scratch
+    growth; longer calls get no untimed call per round). Returns {n: [seconds per round]}, appended to `samples`
+    if given."""
     samples = samples if samples is not None else {}
     for n in threads:
         samples.setdefault(n, [])
     prev = torch.get_num_threads()
     try:
+        if warm:
+            torch.set_num_threads(threads[0])
+            fn()
         for rnd in range(rounds):
             for n in (threads if rnd % 2 == 0 else tuple(reversed(threads))):
                 torch.set_num_threads(n)
