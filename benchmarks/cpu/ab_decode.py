@@ -6,9 +6,12 @@
 `api`: per round, fused_recurrent_kda / fused_recurrent_gated_delta_rule (ssm_state_indices=[0], in place, under
 torch.no_grad, as benchmark_cpu.py's "ours via public API") and the bare *_recurrent_serve op (also under no_grad)
 alternate, 20 calls each; the calling thread's CPU time (time.thread_time_ns) of one call, minimum over all.
-`threads`: the bare op with torch.set_num_threads(1) and (2) alternating per round, wall time (the work runs on
-OpenMP threads), minimum and median over all; H heads of a 128 x 128 fp32 state (64 KiB each; H=32 is the benchmark's 2 MiB).
-This VM drifts 20-40 % and its two cores are shared: read ratios of the same round, run a few times.
+`threads`: the bare op at 1 and 2 threads interleaved round by round (scaling.alternate: per round, each thread count
+for ~20 calls, its fastest call), wall time (the work runs on OpenMP threads); the speed-up is the median of the
+per-round ratios [the ratio of the two minima]; H heads of a 128 x 128 fp32 state (64 KiB each; H=32 is the
+benchmark's 2 MiB). In the same rounds the machine probes of scaling.py run the same way (an L2-resident matmul, an
+in-place stream over 2 MiB, one over 64 MiB), and the CPU other processes / the hypervisor took is printed.
+This VM drifts 20-40 % and its two cores are shared: read ratios of the same rounds, run a few times.
 """
 import argparse
 import statistics
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "cpu"))
 from benchmark_cpu import variants  # noqa: E402
+from scaling import CpuShare, alternate, machine_probes, probe_round, ratio_summary  # noqa: E402
 
 K = V = 128
 
@@ -63,27 +67,23 @@ def api_overhead(mod, family, rounds):
           f"API overhead {(best['api'] - best['op']) / 1e3:5.1f} us", flush=True)
 
 
-def thread_scaling(mod, family, H, rounds):
+def thread_scaling(mod, family, H, rounds, probes):
     q, k, v, g, beta, pool, idx = inputs(family, H)
     op = getattr(mod.ops, f"{family}_recurrent_serve").default
-    samples = {1: [], 2: []}
+    samples, probe_s, share = {}, {}, CpuShare()
     for _ in range(rounds):
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for _ in range(3):
-                op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
-            for _ in range(20):
-                t0 = time.perf_counter_ns()
-                op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False)
-                samples[n].append(time.perf_counter_ns() - t0)
-    # minimum (what benchmark_cpu.py reports) and median of the single calls: in a slow phase of this VM the
-    # 1-thread calls spread far more than the 2-thread ones (one session-10 probe: min 90, median 135-143 us at
-    # H=32), and then the two estimators give different speed-ups; in steady phases they agree (~1.43x)
+        alternate(lambda: op(q, k, v, g, beta, K ** -0.5, pool, idx, None, None, False), (1, 2), rounds=1,
+                  block_s=0.002, samples=samples)
+        probe_round(probes, probe_s, (1, 2), block_s=0.004)
+    r = ratio_summary(samples)
     one, two = min(samples[1]), min(samples[2])
     m1, m2 = statistics.median(samples[1]), statistics.median(samples[2])
-    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread min {one / 1e3:7.1f} / median {m1 / 1e3:7.1f} us"
-          f" ({one / 1e3 / H:.2f} us/head)   2 threads min {two / 1e3:7.1f} / median {m2 / 1e3:7.1f} us"
-          f"   x{one / two:.2f} by min, x{m1 / m2:.2f} by median", flush=True)
+    ceil = "  ".join(f"{p} x{ratio_summary(ps)['median']:.2f}" for p, ps in probe_s.items())
+    sh = share.stop()
+    print(f"{family} H={H:3d} (state {H * 64:5d} KiB): 1 thread min {one * 1e6:7.1f} / median {m1 * 1e6:7.1f} us"
+          f" ({one * 1e6 / H:.2f} us/head)   2 threads min {two * 1e6:7.1f} / median {m2 * 1e6:7.1f} us"
+          f"   x{r['median']:.2f} median of {r['rounds']} per-round ratios [x{r['min_based']:.2f} by min]"
+          f"   machine, same rounds: {ceil}   others {sh['others']:.2f} + steal {sh['steal']:.2f} cores", flush=True)
 
 
 def main():
@@ -95,12 +95,13 @@ def main():
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build")
     args = ap.parse_args()
     mod, _ = variants(args.build_dir.resolve())
+    probes = machine_probes() if args.what == "threads" else None
     for family in args.families.split(","):
         if args.what == "api":
             api_overhead(mod, family, args.rounds)
         else:
             for H in args.H:
-                thread_scaling(mod, family, H, args.rounds)
+                thread_scaling(mod, family, H, args.rounds, probes)
 
 
 if __name__ == "__main__":

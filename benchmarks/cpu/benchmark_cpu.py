@@ -21,6 +21,12 @@ ever adds time), reported per token, taken over --rounds rounds that time every 
 included, from a long-lived worker process) and both thread counts back to back, so the host's drift over the run
 does not enter the ratios. A peer whose estimated call time exceeds --max-call-s is not run, and
 the table says so. Results: benchmarks/results/cpu_<tag>.json and cpu_<tag>.png.
+2-thread speed-up of ours: in every round ours runs at 1 and 2 threads interleaved (benchmarks/cpu/scaling.py:
+alternate; at least --scaling-rounds rounds per case in all), and the speed-up printed is the median of the per-round
+ratios, with the ratio of the two minima beside it. In the same rounds the machine's own ceiling is measured the same
+way (scaling.py: machine_probes; an L2-resident FMA-bound matmul, an in-place stream over 2 MiB like a decode step's
+state and one over 64 MiB), and the CPU that other processes and the hypervisor (steal) took during each case is
+recorded: on this 2-vCPU VM one busy neighbour turns every 2-thread call into a scheduler time slice.
 """
 import argparse
 import importlib.util
@@ -35,6 +41,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scaling import PROBES, CpuShare, alternate, machine_probes, probe_round, ratio_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -249,6 +258,8 @@ def main(argv=None):
     ap.add_argument("--build-dir", type=Path, default=ROOT / "build", help="where the built variants are")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case; each times every implementation and thread count back to back")
+    ap.add_argument("--scaling-rounds", type=int, default=6,
+                    help="interleaved 1-/2-thread rounds of ours per case, at least (spread over --rounds)")
     args = ap.parse_args(argv)
     if args.setup_executorch:
         setup_executorch()
@@ -264,7 +275,10 @@ def main(argv=None):
     min_time = 0.5 if args.quick else 1.5
     threads = [int(t) for t in args.threads.split(",")]
     families = args.families.split(",")
-    rows = []
+    rows, scaling = [], []
+    probes = machine_probes() if len(threads) > 1 else {}
+    probe_all = {}  # every probe round of the run: {probe: {n: [...]}}
+    sub = max(1, -(-args.scaling_rounds // args.rounds))  # interleaved rounds of ours per outer round
     et = ExecuTorchWorker()
     if et.err:
         print(f"[bench] {et.err}", flush=True)
@@ -272,7 +286,9 @@ def main(argv=None):
     # back to back (ExecuTorch in its own long-lived process), and each keeps its fastest round. This machine's
     # speed drifts by tens of percent over minutes (a shared host: the same call measured 88 and 124 us/token a
     # minute apart), so timing ours and a peer, or 1 and 2 threads, in separate phases of the run would put that
-    # drift into the ratios. Calls slower than 1 s run in the first round only.
+    # drift into the ratios. A peer's calls slower than 1 s run in the first round only. Ours runs its 1- and
+    # 2-thread calls interleaved (scaling.alternate) at the start of every round, and the machine probes (scaling.py)
+    # run at its end, so the speed-up of ours and the machine's ceiling come from the same minutes.
     for family in families:
         table = impls(family, ours, uni)
         per_token_512 = {}
@@ -293,10 +309,19 @@ def main(argv=None):
                         continue
                     thunks[name] = modes[mode](T)
                 peers_here = list(thunks) + (["executorch"] if mode != "fwd+bwd" else [])
+                share = CpuShare()
+                ours_s, probe_s = {}, {}
                 for rnd in range(args.rounds):
+                    if "ours" in thunks:  # ours: 1 and 2 threads interleaved, `sub` rounds
+                        alternate(thunks["ours"], threads, rounds=sub, block_s=min_time / args.rounds / sub,
+                                  samples=ours_s, warm=rnd == 0)
+                        for n in threads:
+                            best[("ours", n)] = min(ours_s[n]) / T * 1e6
                     for n in threads:
                         torch.set_num_threads(n)
                         for name in peers_here:
+                            if name == "ours":
+                                continue
                             if rnd > 0 and best.get((name, n), 0.0) * T * 1e-6 > 1.0:
                                 continue  # a slow peer: one round
                             if name == "executorch":
@@ -306,6 +331,17 @@ def main(argv=None):
                             else:
                                 us = bench(thunks[name], min_time / args.rounds) / T * 1e6
                             best[(name, n)] = min(us, best.get((name, n), float("inf")))
+                    if probes:  # the machine's ceiling, in the same rounds
+                        probe_round(probes, probe_s, threads)
+                for pname, ps in probe_s.items():
+                    for n, xs in ps.items():
+                        probe_all.setdefault(pname, {}).setdefault(n, []).extend(xs)
+                for n in threads[1:]:
+                    scaling.append(dict(family=family, mode=mode, T=T, threads=n,
+                                        ours=ratio_summary(ours_s, threads[0], n),
+                                        ceiling={p: ratio_summary(ps, threads[0], n) for p, ps in probe_s.items()},
+                                        cpu_share=share.stop(), loadavg=os.getloadavg()))
+                    print(case_line(scaling[-1]), flush=True)
                 del thunks
                 for name in peers_here:
                     for n in threads:
@@ -320,11 +356,12 @@ def main(argv=None):
                                   flush=True)
     et.close()
     info["loadavg_end"] = os.getloadavg()
-    report(rows, info, args.tag)
+    ceiling = {n: {p: ratio_summary(ps, threads[0], n) for p, ps in probe_all.items()} for n in threads[1:]}
+    report(rows, info, args.tag, scaling, ceiling)
     return 0
 
 
-def report(rows, info, tag):
+def report(rows, info, tag, scaling=(), ceiling=None):
     def get(family, mode, T, n, impl):
         for r in rows:
             if (r["family"], r["mode"], r["T"], r["threads"], r["impl"]) == (family, mode, T, n, impl):
@@ -355,12 +392,7 @@ def report(rows, info, tag):
         lines.append(f"{family:6s} {mode:8s} {T:5d} {n:3d} {mine if mine else float('nan'):9.1f} " +
                      " ".join(cells) + extra)
     lines.append("")
-    lines.append("2-thread speed-up of ours (1-thread time / 2-thread time):")
-    for (family, mode, T, n) in keys:
-        if n == 2 and get(family, mode, T, 1, "ours"):
-            s = get(family, mode, T, 1, "ours") / get(family, mode, T, 2, "ours")
-            lines.append(f"  {family} {mode} T={T}: {s:.2f}x")
-            summary.append(dict(family=family, mode=mode, T=T, threads=2, peer="ours 1 thread", ratio=s))
+    lines += scaling_lines(scaling, ceiling, summary)
     notes = sorted({r["note"] for r in rows if r["note"]})
     if notes:
         lines.append("")
@@ -373,13 +405,51 @@ def report(rows, info, tag):
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"cpu_{tag}.json"
     out.write_text(json.dumps(dict(machine=info, shapes=dict(B=1, H=H, HV=H, K=K, V=V, dtype="float32"),
-                                   results=rows, ratios=summary, table=text), indent=1) + "\n")
+                                   results=rows, ratios=summary, scaling=list(scaling), probes=PROBES,
+                                   ceiling=ceiling, table=text), indent=1) + "\n")
     print(f"\n[bench] wrote {out.relative_to(ROOT)}")
     try:
         plot(rows, keys, RESULTS / f"cpu_{tag}.png")
         print(f"[bench] wrote {(RESULTS / f'cpu_{tag}.png').relative_to(ROOT)}")
     except Exception as e:  # noqa: BLE001 - the JSON is the record; the plot is a convenience
         print(f"[bench] no plot: {e}")
+
+
+def _x(r, key="median"):
+    return f"{r[key]:4.2f}x" if r else "  n/a"
+
+
+def case_line(sc):
+    """One case of the speed-up block: ours, the machine probes of the same rounds, the CPU others took."""
+    o, share = sc["ours"], sc["cpu_share"]
+    ceil = "  ".join(f"{p} {_x(r)}" for p, r in sc["ceiling"].items())
+    return (f"  {sc['family']} {sc['mode']:8s} T={sc['T']:<5d} thr={sc['threads']}: {_x(o)} [{_x(o, 'min_based')}]"
+            f" ({o['rounds'] if o else 0} rounds)   machine: {ceil}   others {share['others']:.2f}"
+            f" + steal {share['steal']:.2f}")
+
+
+def scaling_lines(scaling, ceiling, summary):
+    """The thread speed-up block of the table (appends ours' ratios to summary)."""
+    if not scaling:
+        return []
+    lines = ["Thread speed-up of ours (1-thread time / n-thread time; 1 and n threads interleaved round by round:",
+             "median of the per-round ratios [ratio of the two minima]), the machine's ceiling measured the same way",
+             "in the same rounds (median; probes below), and the CPU others took meanwhile (processes + steal, cores):"]
+    for sc in scaling:
+        o = sc["ours"]
+        if o is None:
+            continue
+        lines.append(case_line(sc))
+        summary.append(dict(family=sc["family"], mode=sc["mode"], T=sc["T"], threads=sc["threads"],
+                            peer="ours 1 thread", ratio=o["median"], ratio_min_based=o["min_based"],
+                            estimator="median of interleaved per-round ratios"))
+    for n, c in (ceiling or {}).items():
+        if c:
+            lines.append(f"  machine ceiling over the whole run, {n} threads: " +
+                         "  ".join(f"{p} {_x(r)} [{_x(r, 'min_based')}] ({r['rounds'] if r else 0} rounds)"
+                                   for p, r in c.items()))
+    lines += [f"  probe {p}: {d}" for p, d in PROBES.items()]
+    return lines
 
 
 def plot(rows, keys, path):
