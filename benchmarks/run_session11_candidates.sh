@@ -4,6 +4,9 @@
 #   build (sm_90) -> scan11 (scan6, KDA_CUDA_CHUNK_SCAN=8/9) -> sbwd11 (narrow state_bwd3,
 #   KDA_CUDA_CHUNK_BWD_STATE_BWD=7/8) -> dec11 (bulk-copy decode KDA_CUDA_DEC_LEAN=3, KDA_CUDA_DEC_IDX=1) -> retire11's
 #   changed tests if time is left. Each step's commands and decision rules: benchmarks/cuda/cand11_*.sh.
+# (A record of the call: sbwd11 and dec11 lost and were reverted, their cand11_*.sh with them -- `git show
+# 8a67f1c:benchmarks/cuda/cand11_sbwd11.sh` / `cand11_dec11.sh`; scan6's mode 9 was retired, so re-running this script
+# as it is fails at those steps.)
 source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
 CALL_S=${CALL_S:-540}
