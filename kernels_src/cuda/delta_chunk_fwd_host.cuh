@@ -9,8 +9,9 @@
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels");
 // in session 10 KDA_CUDA_KDA_PREP=4 / 5 (KDA prep v3); in session 11 KDA_CUDA_GDN_PREP=1 (the GDN prep v1
 // gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227) and KDA_CUDA_KDA_PREP=2 (kda_chunk_prep2 without the 8x8
-// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults, which other values run too;
-// both variables are read (for the refusals) at every call.
+// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; since
+// session 12 any other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of
+// this file (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 8):
 // 8 (the default since session 11) delta_chunk_scan6_kernel (delta_chunk_scan6.cuh) where it applies (bf16
 // workspace, V <= 256, sm_90+; session 11 candidate call, one H200: scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
@@ -19,7 +20,7 @@
 // Retired (refused, docs/cuda.md "Retired kernels"): 9 (scan6 with warp pairs, 0.427 ms) in session 11; in
 // session 12 4 (the bulk-prefetch scan delta_chunk_scan3_kernel, 0.48 ms, the default until session 9; with it
 // KDA_CUDA_SCAN3_BV, its column width, is no longer read), 5 / 6 (the split forward delta_chunk_scan4_kernel +
-// delta_chunk_out_kernel, fp32 / bf16 h_c and U_c) and 7 (the warp-specialized scan5 delta_chunk_scan5_kernel,
+// delta_chunk_out_kernel, fp32 / bf16 h_c and U_c: 0.30 / 0.32 + 0.22 / 0.15 ms, session 8) and 7 (the warp-specialized scan5 delta_chunk_scan5_kernel,
 // 0.350 ms, the default in sessions 9 and 10; scan6 is its products in its order, bit-identical).
 #pragma once
 
