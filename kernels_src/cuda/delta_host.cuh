@@ -40,11 +40,21 @@ inline int env_int(const char* name, int dflt) {
   return (s && *s) ? std::atoi(s) : dflt;
 }
 
+// A knob's text as a whole decimal integer (leading blanks and a sign allowed, nothing after the digits).
+inline bool env_text_int(const char* s, long& v) {
+  char* end = nullptr;
+  errno = 0;
+  v = std::strtol(s, &end, 10);
+  return end != s && *end == '\0' && errno == 0;
+}
+
 // A knob value whose kernel was retired (docs/cuda.md, "Retired kernels"): refused with a clear error rather than
-// silently running another kernel. `what` names the retired kernel.
+// silently running another kernel. `what` names the retired kernel. The knob must be that whole number (since
+// session 12; before, any text atoi read as it, e.g. "abc" as a retired 0).
 inline void refuse_retired(const char* op, const char* knob, int value, const char* what, int session = 9) {
   const char* s = std::getenv(knob);
-  TORCH_CHECK(!(s && *s && std::atoi(s) == value), "[", op, "] ", knob, "=", value, " selected ", what,
+  long v = 0;
+  TORCH_CHECK(!(s && *s && env_text_int(s, v) && v == value), "[", op, "] ", knob, "=", value, " selected ", what,
               ", retired in session ", session, " (docs/cuda.md, \"Retired kernels\"): unset ", knob,
               " or pick another value");
 }
@@ -55,10 +65,8 @@ inline void refuse_retired(const char* op, const char* knob, int value, const ch
 inline int env_choice_n(const char* op, const char* knob, int dflt, const int* accepted, size_t n) {
   const char* s = std::getenv(knob);
   if (!(s && *s)) return dflt;
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(s, &end, 10);
-  const bool number = end != s && *end == '\0' && errno == 0;
+  long v = 0;
+  const bool number = env_text_int(s, v);
   for (size_t i = 0; number && i < n; ++i)
     if (v == accepted[i]) return accepted[i];
   std::string list;
