@@ -9,7 +9,7 @@
 #      RuntimeError naming the knob; scan6 against the float64 reference, the single kernel and a repeat call;
 #      stages with the knob changed between them);
 #  (2) the GDN tests for gate_prefix_warp (forward prep v2, backward incl. prep3_gdn / grad3_gdn), ~40 s: all must
-#      pass, else revert the last commit (6a8feaf) alone;
+#      pass, else revert the commit "GDN: one copy of the per-head gate's double prefix scan ..." alone;
 #  (3) per-kernel times of the defaults in one process, ~30 s. Expected unchanged against session 11/12's calls
 #      (B1 T8192 H16 HV32 K=V=128 bf16): scan6 0.300 ms (KDA and GDN), kda_chunk_prep2 0.57, gdn_chunk_prep2 0.228;
 #      GDN backward prep3_gdn 0.426, grad3_gdn 0.441 (h200_session11_candidates_retire11_kernel_times.json). A
