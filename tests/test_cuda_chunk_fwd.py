@@ -12,16 +12,15 @@ Likewise KDA with bf16/fp16 inputs (kda_chunk_prep2.cuh with the 8x8 split; test
 prep (KDA_CUDA_KDA_PREP=1) and the generic prep for 16-bit inputs (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were
 retired in session 9, the GDN prep v1 (KDA_CUDA_GDN_PREP=1) and the KDA prep v2 without the split (KDA_CUDA_KDA_PREP=2)
 in session 11, as was scan6 with warp pairs (KDA_CUDA_CHUNK_SCAN=9) (test_retired_fwd_knob_values_are_refused).
-The scan is delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since session 11; tests/test_cuda_scan6.py
-compares it bit for bit with scan5) where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16
-test above runs it; fp32 inputs and KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel); the
-warp-specialized delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7, the default in sessions 9 and 10):
-test_chunk_fwd_scan5 and test_chunk_scan5_vs_scan3* check it against the float64 reference and the bulk-prefetch scan.
-test_chunk_fwd_single_scan runs the single kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the
-float64 reference. test_chunk_fwd_scan3 (float64 reference, 32- and 64-column blocks), test_chunk_scan3_vs_single
-(against the single kernel) and the CUDA-graph replay cover the bulk-prefetch scan (=4, the default until session
-9). The opt-in split forward (KDA_CUDA_CHUNK_SCAN=5 / 6): test_chunk_fwd_split*, test_chunk_split_vs_scan3 and the
-graph / empty-sequence test.
+The scan is delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since session 11; tests/test_cuda_scan6.py)
+where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
+KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel). test_chunk_fwd_single_scan runs the single
+kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the float64 reference. Retired in session 12:
+the bulk-prefetch scan (=4), the split forward (=5 / 6) and scan5 (=7), with their tests (test_chunk_fwd_scan3,
+test_chunk_scan3_vs_single, test_chunk_fwd_split*, test_chunk_split_vs_scan3, test_chunk_fwd_scan5,
+test_chunk_scan5_vs_scan3*); their values are refused like the earlier ones, and values no kernel ever had, of
+these knobs and of KDA_CUDA_CHUNK_WS_BF16 / KDA_CUDA_CHUNK_BV / KDA_CUDA_CHUNK_FWD, raise an error naming the knob
+and its accepted values (test_unknown_fwd_knob_values_are_refused).
 """
 import importlib.util
 import subprocess
@@ -172,11 +171,10 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
-@pytest.mark.parametrize("scan", ["single", "scan3", "scan3_bv64"])
+@pytest.mark.parametrize("scan", ["single", "scan6"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1" if scan == "single" else "4")
-    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", "64" if scan == "scan3_bv64" else "32")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1" if scan == "single" else "8")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
     fn = getattr(OPS, f"{family}_chunk_fwd")
@@ -222,11 +220,13 @@ def test_kda_prep2_reference(case, dtype, ws, monkeypatch):
     assert_close("final_state (prep v2)", rs, s3.cpu(), TOL[dtype])
 
 
-# knob values whose kernels were retired in sessions 9 to 11 (docs/cuda.md, "Retired kernels"): refused at the call
+# knob values whose kernels were retired in sessions 9 to 12 (docs/cuda.md, "Retired kernels"): refused at the call
 RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "0"),
                ("gdn", "KDA_CUDA_GDN_PREP", "0"), ("kda", "KDA_CUDA_KDA_PREP", "4"), ("kda", "KDA_CUDA_KDA_PREP", "5"),
                ("gdn", "KDA_CUDA_GDN_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "2"),
                ("kda", "KDA_CUDA_CHUNK_SCAN", "9"), ("gdn", "KDA_CUDA_CHUNK_SCAN", "9")]
+# session 12: the bulk-prefetch scan (4), the split forward (5 / 6), scan5 (7)
+RETIRED_FWD += [(family, "KDA_CUDA_CHUNK_SCAN", value) for value in ("4", "5", "6", "7") for family in ("kda", "gdn")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -234,10 +234,71 @@ RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "
 def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeypatch):
     monkeypatch.setenv(knob, value)
     (q, k, v, g, beta), h0, cu = case_inputs(family, "T65", dtype)
-    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session (9|10|11)"):
+    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session (9|10|11|12)"):
         getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, 0.1, h0, cu)
-    with pytest.raises(RuntimeError, match="retired in session (9|10|11)"):
+    with pytest.raises(RuntimeError, match=f"{knob}={value} .*retired in session (9|10|11|12)"):
         getattr(OPS, f"{family}_chunk_fwd_stage")([], 0, q, k, v, g, beta, 0.1, None, cu)
+
+
+# values no kernel has (typos, text): refused with the knob's name, the value and the accepted values (env_choice in
+# delta_host.cuh) instead of silently running the default. Accepted: KDA_CUDA_CHUNK_SCAN 0 (unset), 1, 8 and any
+# value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3; KDA_CUDA_GDN_PREP 2;
+# KDA_CUDA_CHUNK_WS_BF16 0, 1; KDA_CUDA_CHUNK_BV 0, 16, 32; KDA_CUDA_CHUNK_FWD 0, 1.
+UNKNOWN_FWD = [("KDA_CUDA_CHUNK_SCAN", "99"), ("KDA_CUDA_CHUNK_SCAN", "-3"), ("KDA_CUDA_CHUNK_SCAN", "scan6"),
+               ("KDA_CUDA_CHUNK_SCAN", "8x"), ("KDA_CUDA_KDA_PREP", "7"), ("KDA_CUDA_KDA_PREP", "v2"),
+               ("KDA_CUDA_GDN_PREP", "3"), ("KDA_CUDA_GDN_PREP", "x"), ("KDA_CUDA_CHUNK_WS_BF16", "2"),
+               ("KDA_CUDA_CHUNK_WS_BF16", "yes"), ("KDA_CUDA_CHUNK_BV", "24"), ("KDA_CUDA_CHUNK_BV", "wide"),
+               ("KDA_CUDA_CHUNK_FWD", "2"), ("KDA_CUDA_CHUNK_FWD", "on")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("knob,value", UNKNOWN_FWD)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_unknown_fwd_knob_values_are_refused(family, knob, value, dtype, monkeypatch):
+    if (knob, family) in (("KDA_CUDA_KDA_PREP", "gdn"), ("KDA_CUDA_GDN_PREP", "kda")):
+        pytest.skip("the other family's prep knob is not read")
+    monkeypatch.setenv(knob, value)
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "T65", dtype)
+    pattern = f"{knob}={value} is not an accepted value: {knob} takes "
+    with pytest.raises(RuntimeError, match=pattern):
+        getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, 0.1, h0, cu)
+    if knob != "KDA_CUDA_CHUNK_FWD":  # (read by the one-call op only: the staged op always runs the chunked kernels)
+        with pytest.raises(RuntimeError, match=pattern):
+            work = getattr(OPS, f"{family}_chunk_fwd_stage")([], 0, q, k, v, g, beta, 0.1, None, cu)
+            getattr(OPS, f"{family}_chunk_fwd_stage")(work, 1, q, k, v, g, beta, 0.1, h0, cu)
+    monkeypatch.delenv(knob)
+    o, s = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, 0.1, h0, cu)  # the process is still usable
+    assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_accepted_fwd_knob_values_run(family, monkeypatch):
+    """Every accepted value of the forward's knobs runs (the unknown-value check does not refuse them): o within
+    DESIGN.md section 6 of the float64 reference (bf16 inputs), and the defaults written out give the default's bits."""
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "T200", torch.bfloat16)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    o_def, s_def = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    prep = ("KDA_CUDA_KDA_PREP", "3") if family == "kda" else ("KDA_CUDA_GDN_PREP", "2")
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "0"}, {"KDA_CUDA_CHUNK_SCAN": "8"}, dict([prep]),
+                {"KDA_CUDA_CHUNK_WS_BF16": "1"}, {"KDA_CUDA_CHUNK_FWD": "1"}, {"KDA_CUDA_CHUNK_BV": "32"}):
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        o, s = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+        assert torch.equal(o, o_def) and torch.equal(s, s_def), env
+        for key in env:
+            monkeypatch.delenv(key)
+    ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
+                            initial_state=h0.cpu(), cu_seqlens=None)
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "16"},
+                {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "0"}, {"KDA_CUDA_CHUNK_WS_BF16": "0"},
+                {"KDA_CUDA_CHUNK_FWD": "0"}):
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        o, s = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+        assert_close(f"o {env}", ro, o.cpu(), TOL[torch.bfloat16])
+        assert_close(f"final_state {env}", rs, s.cpu(), TOL[torch.bfloat16])
+        for key in env:
+            monkeypatch.delenv(key)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -251,184 +312,3 @@ def test_chunk_fwd_single_scan(family, case, dtype, monkeypatch):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
     monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1")
     run_case(family, case, dtype, h0_on=True)
-
-
-SCAN3_CASES = ["T1", "T65", "T200", "T2048", "correlated_keys", "extreme_gates", "extreme_gates_div_0.1", "gva_4x",
-               "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"]
-
-
-@pytest.mark.parametrize("bv", ["32", "64"], ids=["bv32", "bv64"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", SCAN3_CASES)
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_scan3(family, case, dtype, bv, monkeypatch):
-    """The bulk-prefetch scan (KDA_CUDA_CHUNK_SCAN=4) against the float64 reference, 32-column blocks (default) and
-    64 (KDA_CUDA_SCAN3_BV=64). Column blocks (32 columns) per head: 1 (odd_kv, V=30), 2 (odd_v), 3 (wide_v),
-    4 (V=128), 7 (v200), 8 (cp_width_v256); fp32 inputs fall back to the single kernel (a smoke test of the
-    fallback)."""
-    if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
-        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    if dtype == torch.float32 and case not in ("T200", "varlen"):
-        pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
-    if bv == "64" and dtype != torch.bfloat16:
-        pytest.skip("64-column blocks: bf16 suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "4")
-    monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
-    run_case(family, case, dtype, h0_on=case not in ("T1",))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T65", "T200", "T2048", "extreme_gates", "gva_4x", "kv64", "odd_kv", "wide_v",
-                                  "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_scan3_vs_single(family, case, dtype, monkeypatch):
-    """The bulk-prefetch scan (4) with 32- and 64-column blocks against the single scan kernel (1) in one process,
-    same prep and bf16 workspace: the same tf32 products in another fp32 summation order (two chains), so o agrees
-    up to its own rounding and the final state to ~1e-6."""
-    spec = dict(CASES[case])
-    cu_list = spec.get("cu")
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make(family, dtype=dtype, **spec)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    h0 = (torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV)
-    out = {}
-    for sel, bv in (("1", "32"), ("4", "32"), ("4", "64")):
-        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", sel)
-        monkeypatch.setenv("KDA_CUDA_SCAN3_BV", bv)
-        out[sel + "_" + bv] = getattr(OPS, f"{family}_chunk_fwd")(q, k, v, g, beta, K ** -0.5, h0, cu)
-    o1, s1 = out["1_32"]
-    for key in ("4_32", "4_64"):
-        o4, s4 = out[key]
-        assert torch.isfinite(o4.float()).all() and torch.isfinite(s4).all()
-        assert_close(f"o (scan {key} vs single scan)", o1.float().cpu(), o4.float().cpu(), 1e-3)
-        assert_close(f"final_state (scan {key} vs single scan)", s1.cpu(), s4.cpu(), 1e-4)
-    # the 32- and 64-column kernels run the same products per element in the same order
-    assert torch.equal(out["4_32"][0], out["4_64"][0]) and torch.equal(out["4_32"][1], out["4_64"][1])
-
-
-SPLIT_CASES = ["T1", "T65", "T200", "T2048", "correlated_keys", "gate_div_0.1", "extreme_gates",
-               "extreme_gates_div_0.1", "gva_4x", "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v",
-               "varlen", "varlen_extreme"]
-
-
-@pytest.mark.parametrize("mode", ["5", "6"], ids=["split_f32", "split_bf16"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", SPLIT_CASES)
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_split(family, case, dtype, mode, monkeypatch):
-    """The split forward (KDA_CUDA_CHUNK_SCAN=5: the state-only scan delta_chunk_scan4_kernel storing each chunk's
-    start state h_c and U_c in fp32, then the parallel output kernel delta_chunk_out_kernel; 6: h_c and U_c stored
-    as bf16) against the float64 reference. Column blocks: scan 32 columns, output 64 (odd_kv V=30 -> vp 32, odd_v
-    37 -> 40, v200 4 output tiles, the last 8 columns wide); varlen with empty sequences; extreme gates (-20, -1e4);
-    GVA; initial state. fp32 inputs fall back to the single kernel (a smoke test of the fallback)."""
-    if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
-        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    if dtype == torch.float32 and case not in ("T200", "varlen"):
-        pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
-    run_case(family, case, dtype, h0_on=case not in ("T1",))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T65", "T200", "T2048", "extreme_gates", "extreme_gates_div_0.1", "gva_4x", "kv64",
-                                  "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen", "varlen_extreme"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_split_vs_scan3(family, case, dtype, monkeypatch):
-    """The split forward (5: fp32 h_c / U_c, 6: bf16) against the bulk-prefetch scan (4) in one process, same prep
-    and workspace. The state-only scan runs scan3's U and h products in scan3's order, so the final state is scan3's
-    (to 1e-6); with fp32 storage the output kernel sees the same tf32 operands and sums the two chains (q~ h, A~ U)
-    as scan3 does, so o is scan3's too; with bf16 storage h_c and U_c are rounded to bf16 before the output
-    products: o within 3e-3 of scan3's."""
-    (o4, s4), (o5, s5), (o6, s6) = fwd_per_knob(family, case, dtype, "ws_bf16", "KDA_CUDA_CHUNK_SCAN",
-                                                ("4", "5", "6"), monkeypatch)
-    for o, s in ((o5, s5), (o6, s6)):
-        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-    assert_close("final_state (split f32 vs scan3)", s4.cpu(), s5.cpu(), 1e-6)
-    assert_close("final_state (split bf16 vs scan3)", s4.cpu(), s6.cpu(), 1e-6)
-    assert_close("o (split f32 vs scan3)", o4.float().cpu(), o5.float().cpu(), 1e-6)
-    assert_close("o (split bf16 vs scan3)", o4.float().cpu(), o6.float().cpu(), 3e-3)
-
-
-@pytest.mark.parametrize("mode", ["5", "6", "7"], ids=["split_f32", "split_bf16", "scan5_ws"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_split_cuda_graph_and_empty(family, mode, monkeypatch):
-    """The split forward (5, 6) under CUDA-graph capture (its h_c / U_c buffers are allocated inside the call) with an
-    empty sequence in the batch, and with every sequence empty (the scan copies h0 to the final state; no output
-    chunks); the same for the warp-specialized scan (7)."""
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
-    q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
-    cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    o_ref, s_ref = fn(q, k, v, g, beta, 0.088, None, cu)
-    fn(q, k, v, g, beta, 0.088, None, cu)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, s = fn(q, k, v, g, beta, 0.088, None, cu)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
-    q, k, v, g, beta = make(family, cu=[0, 0, 0])
-    cu = torch.tensor([0, 0, 0], dtype=torch.long, device=DEV)
-    h0 = torch.randn(2, 4, 128, 128, device=DEV)
-    o, s = fn(q, k, v, g, beta, 0.1, h0, cu)
-    assert o.shape == (1, 0, 4, 128)
-    assert torch.equal(s, h0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", SPLIT_CASES)
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_fwd_scan5(family, case, dtype, monkeypatch):
-    """The warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7, delta_chunk_scan5.cuh: 8 recurrence warps running scan4's
-    loop hand each chunk's h_c and U_c through three shared buffers to 8 output warps computing o) against the
-    float64 reference: column blocks 1 (odd_kv), 2 (odd_v), 3 (wide_v), 4, 7 (v200), 8 (cp_width_v256); K=64 and 128;
-    varlen with empty sequences; extreme gates; GVA; initial state; T2048 (32 chunks: every buffer reused ~10
-    times). fp32 inputs fall back to the single kernel (a smoke test of the fallback)."""
-    if dtype == torch.float16 and case not in ("T65", "extreme_gates", "varlen", "odd_v"):
-        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
-    if dtype == torch.float32 and case not in ("T200", "varlen"):
-        pytest.skip("fp32 inputs run the single kernel (fallback): a subset suffices")
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "7")
-    run_case(family, case, dtype, h0_on=case not in ("T1",))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["T1", "T65", "T200", "T2048", "extreme_gates", "extreme_gates_div_0.1", "gva_4x",
-                                  "kv64", "odd_kv", "wide_v", "cp_width_v256", "v200", "odd_v", "varlen",
-                                  "varlen_extreme"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_scan5_vs_scan3(family, case, dtype, monkeypatch):
-    """The warp-specialized scan (7) against the bulk-prefetch scan (4) in one process, same prep and workspace: the
-    recurrence runs scan3's U and h products in scan3's order, and the output warps scan3's o products (tf32 of the
-    same fp32 h_c and U_c, chains q~ h and A~ U summed at the end), so o and the final state are scan3's (to 1e-6;
-    expected bit-equal)."""
-    (o4, s4), (o7, s7) = fwd_per_knob(family, case, dtype, "ws_bf16", "KDA_CUDA_CHUNK_SCAN", ("4", "7"), monkeypatch)
-    assert torch.isfinite(o7.float()).all() and torch.isfinite(s7).all()
-    assert_close("final_state (scan5 vs scan3)", s4.cpu(), s7.cpu(), 1e-6)
-    assert_close("o (scan5 vs scan3)", o4.float().cpu(), o7.float().cpu(), 1e-6)
-
-
-@pytest.mark.parametrize("shape", [(2, 4096, 8, 16, 128, 128), (1, 8192, 2, 4, 64, 64), (3, 1000, 4, 8, 128, 96)],
-                         ids=["B2_T4096_HV16", "T8192_kv64", "B3_T1000_v96"])
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_chunk_scan5_vs_scan3_long(family, shape, monkeypatch):
-    """scan5 (7) against scan3 (4) on longer sequences (64 to 128 chunks, 128 blocks in flight at B2 HV16: the
-    recurrence and output warps of many blocks race for the SMs' tensor cores; the output warps may lag by up to two
-    chunks) with an initial state: o and the final state agree to 1e-6, and a second scan5 call gives the same bits
-    (no race between the warp groups)."""
-    B, T, H, HV, K, V = shape
-    q, k, v, g, beta = make(family, B=B, T=T, H=H, HV=HV, K=K, V=V, seed=3)
-    h0 = (torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    out = {}
-    for mode in ("4", "7"):
-        monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
-        out[mode] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-    o7b, s7b = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-    (o4, s4), (o7, s7) = out["4"], out["7"]
-    assert torch.isfinite(o7.float()).all() and torch.isfinite(s7).all()
-    assert_close("final_state (scan5 vs scan3)", s4.cpu(), s7.cpu(), 1e-6)
-    assert_close("o (scan5 vs scan3)", o4.float().cpu(), o7.float().cpu(), 1e-6)
-    assert torch.equal(o7, o7b) and torch.equal(s7, s7b)

@@ -1,27 +1,57 @@
 """CPU emulation of the index math of the scan delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since
 session 11; kernels_src/cuda/delta_chunk_scan6.cuh): the new warp tiles of one chunk step, lane by lane, with the
-m16n8k8 fragment layouts of tests/test_cuda_scan3_emu.py (mma8, frag_index):
+m16n8k8 fragment layouts (mma8, frag_index; kept here from tests/test_cuda_scan3_emu.py, removed in session 12 with
+the bulk-prefetch scan it emulated):
   - U = u0 - w h: 4 warps of 16 rows x 32 columns;
   - the h update with the U fragments loaded once per k-step for both row tiles of a warp;
   - o = q~ h + A~ U: 4 warps of 16 rows x 32 columns.
 (The variant with warp pairs, KDA_CUDA_CHUNK_SCAN=9, and its handoff emulation were removed with it in session 11.)
-Checks against float64 matrix products, and that every accumulator sees scan5's sequence of k-steps (the claim that
-o and the final state are bit-identical to scan5's): U chains a0 = even, a1 = odd k-steps in order, h the decay
-then k-steps 0..7, o chains q~ h = 0 .. KP/8 - 1 and A~ U = 0 .. 2 rt + 1 for row tile rt. A mutated index (wrong
+Checks against float64 matrix products, and that every accumulator sees scan5's sequence of k-steps (the claim
+that o and the final state are bit-identical to those of scan5, retired in session 12): U chains a0 = even, a1 = odd
+k-steps in order, h the decay then k-steps 0..7, o chains q~ h = 0 .. KP/8 - 1 and A~ U = 0 .. 2 rt + 1 for row
+tile rt. A mutated index (wrong
 row tile) must fail. Runs without a GPU; the CUDA code is tested by
 tests/test_cuda_scan6.py on a GPU.
 """
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_cuda_scan3_emu import GQ, T4, mma8, to_frag  # noqa: E402
-
 C = 64
-LDH = 40  # Scan4Smem::LDH (32 + 8)
+LDH = 40  # Scan6Smem::LDH (32 + 8)
+LANES = np.arange(32)
+GQ, T4 = LANES >> 2, LANES & 3
+
+
+def frag_index(r, c, KD):
+    """frag_index<KD> (delta_chunk_fwd.cuh): element (r, c) of a row-major [R x KD] A operand in fragment order."""
+    rr, cc = r & 15, c & 7
+    lane = ((rr & 7) << 2) | (cc & 3)
+    slot = (rr >> 3) | ((cc >> 2) << 1)
+    return ((((r >> 4) * (KD // 8) + (c >> 3)) << 5) + lane) * 4 + slot
+
+
+def to_frag(M, KD):
+    """A row-major [R x KD] matrix in fragment order (the workspace sections w, q~, k~^T, A~)."""
+    R = M.shape[0]
+    out = np.full(R * KD, np.nan)
+    for r in range(R):
+        for c in range(KD):
+            out[frag_index(r, c, KD)] = M[r, c]
+    return out
+
+
+def mma8(acc, a, b0, b1):
+    """acc[32, 4] += A B for one m16n8k8 tile: a[32, 4] the A fragment {(g, t), (g+8, t), (g, t+4), (g+8, t+4)},
+    b0 / b1 [32] the B fragment {(t, g), (t+4, g)}, acc {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}."""
+    A = np.zeros((16, 8))
+    B = np.zeros((8, 8))
+    A[GQ, T4], A[GQ + 8, T4], A[GQ, T4 + 4], A[GQ + 8, T4 + 4] = a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    B[T4, GQ], B[T4 + 4, GQ] = b0, b1
+    Cm = A @ B
+    acc[:, 0] += Cm[GQ, 2 * T4]
+    acc[:, 1] += Cm[GQ, 2 * T4 + 1]
+    acc[:, 2] += Cm[GQ + 8, 2 * T4]
+    acc[:, 3] += Cm[GQ + 8, 2 * T4 + 1]
 
 
 class Acc:
@@ -83,7 +113,7 @@ def emu_u(KP, Wf, hs, u0, mutate=None):
 
 
 def emu_h(KP, Kf, dec, H, Us):
-    """h <- Diag(dec) h + k~^T U with ScanRec's tiles (8 warps: wi rows [wi KP/4, ..), cw = 16 wc); returns h and
+    """h <- Diag(dec) h + k~^T U with ScanRec6's tiles (8 warps: wi rows [wi KP/4, ..), cw = 16 wc); returns h and
     the traces per (row tile, column tile)."""
     MT = KP // 64
     out = np.zeros_like(H)

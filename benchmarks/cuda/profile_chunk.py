@@ -51,9 +51,9 @@ def kernel_times(fn, reps=5):
 # (option, environment variable, phase, row name prefix, KDA only (True; "gdn": GDN only), what the values select)
 KNOB_SWEEPS = [
     ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False,
-     "1 single kernel, 4 the bulk-prefetch scan, 5 / 6 the split forward: state-only scan4 + parallel output "
-     "kernel, h_c and U_c stored fp32 / bf16, 7 the warp-specialized scan5 (recurrence and output warps in one block), "
-     "8 scan6 (the default since session 11: scan5's products with larger warp tiles)"),
+     "1 single kernel, 8 scan6 (the default since session 11: warp-specialized, recurrence and output warps in one "
+     "block; 4 the bulk-prefetch scan3, 5 / 6 the split forward, 7 scan5, 9 scan6 with warp pairs: retired in "
+     "sessions 11 and 12, refused)"),
     # (--kda-prep / --gdn-prep: KDA_CUDA_KDA_PREP / KDA_CUDA_GDN_PREP have only their defaults left since session
     # 11, KDA 3 and GDN 2; the other values' kernels were retired and are refused)
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,

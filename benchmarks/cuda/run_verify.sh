@@ -2,7 +2,7 @@
 # One device call that verifies main on a GPU: build (sm_90), then the STEPS in the order given (default
 # "tests,profile,fwd,bwd"):
 #   tests    every CUDA test file (or TEST_FILES)
-#   profile  per-kernel times of the chunked kernels (and the single scan / grad2 in the same process)
+#   profile  per-kernel times of the chunked kernels (and the single scan / the GVA reduce kernel in the same process)
 #   fwd      the chunked forward side by side with flash-linear-attention 0.6.0 (default scan and
 #            KDA_CUDA_CHUNK_SCAN=1: FWD_SCANS; shapes: FWD_SHAPES name prefixes, default all four)
 #   bwd      forward+backward side by side with fla (BWD_NSHAPES, default all three shapes)
@@ -27,7 +27,7 @@ step_tests() {
   grep -E "passed|failed|error|FAILED|ERROR" "$OUT/tests.log" | tail -25
 }
 step_profile() {
-  timeout 60 python3 benchmarks/cuda/profile_chunk.py --scans 1,4 --bwd-gva 1 > "$OUT/kernel_times.json" \
+  timeout 60 python3 benchmarks/cuda/profile_chunk.py --scans 1,8 --bwd-gva 1 > "$OUT/kernel_times.json" \
     2> "$OUT/kernel_times.err"
 }
 step_fwd() {

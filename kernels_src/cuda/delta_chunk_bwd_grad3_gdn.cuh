@@ -28,6 +28,7 @@
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
+#include "gdn_chunk_prep.cuh"  // gate_prefix_warp
 
 namespace kda_kernels {
 namespace cuda {
@@ -178,16 +179,8 @@ __global__ void __launch_bounds__(NT, 2) grad3_gdn_kernel(Params p) {
       b1 = p.beta[tok(t0 + 1)];
       d1 = p.dbeta[tok(t0 + 1)];
     }
-    double s = static_cast<double>(g0) + static_cast<double>(g1);
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const double o = __shfl_up_sync(0xffffffffu, s, d);
-      if (lane >= d) s += o;
-    }
-    double ex = __shfl_up_sync(0xffffffffu, s, 1);
-    if (lane == 0) ex = 0.0;
-    const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
-    const double Gl = __shfl_sync(0xffffffffu, G1, 31);
+    double G0, G1, Gl;
+    gate_prefix_warp(g0, g1, lane, G0, G1, Gl);  // the GDN preps' double prefix (gdn_chunk_prep.cuh)
     Gd[t0] = G0;
     Gd[t0 + 1] = G1;
     gam[t0] = expf(static_cast<float>(G0));

@@ -15,13 +15,10 @@
 // as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
-// Bulk-prefetch scan (delta_chunk_scan3_kernel; the default, KDA_CUDA_CHUNK_SCAN=4, where the workspace is bf16 and
-// the GPU sm_90+): kernel 2 with each chunk's w / q~ / k~^T / A~ brought into double-buffered shared memory by one
-// bulk copy ahead of use.
-// Split forward (KDA_CUDA_CHUNK_SCAN=5 / 6, off by default): the state-only scan delta_chunk_scan4.cuh and the
-// parallel output kernel delta_chunk_out.cuh.
-// Warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7, the default since session 9): delta_chunk_scan5.cuh, recurrence warps and
-// output warps in one block.
+// Warp-specialized scan (delta_chunk_scan6.cuh, delta_chunk_scan6_kernel; the default where the workspace is bf16
+// and the GPU sm_90+, KDA_CUDA_CHUNK_SCAN=8): recurrence warps and output warps in one block, each chunk's operands
+// brought into shared memory by bulk copies two chunks ahead. (Retired in session 12: the bulk-prefetch scan
+// delta_chunk_scan3_kernel, the split forward delta_chunk_scan4 / delta_chunk_out and scan5; docs/cuda.md.)
 #pragma once
 
 #include "delta_common.cuh"
@@ -54,9 +51,7 @@ struct ChunkFwdParams {
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
-  int scan3;          // 1: the bulk-prefetch scan delta_chunk_scan3_kernel (KDA_CUDA_CHUNK_SCAN=4)
-  int scan_split;     // 1 / 2: the split scan4 + out kernels, fp32 / bf16 h_c and U_c (KDA_CUDA_CHUNK_SCAN=5 / 6)
-  int scan_ws;        // 1: delta_chunk_scan5_kernel (KDA_CUDA_CHUNK_SCAN=7); 2: scan6 (8, the default)
+  int scan;           // the scan (KDA_CUDA_CHUNK_SCAN, unset -> 8): 8 scan6 where it applies, 1 the single kernel
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
@@ -758,41 +753,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
 }
 
-// ---- Bulk-prefetch scan (KDA_CUDA_CHUNK_SCAN=4, the default where it applies): delta_chunk_scan3_kernel ----
-//
-// The single scan kernel's math with BV-column blocks (BV = 32, or 64 with KDA_CUDA_SCAN3_BV=64): per chunk the
-// workspace region shared by every column block -- w, q~, k~^T, A~ and the decay, floats [0, WsLayout::u),
-// contiguous, 74,240 bytes at KP = 128 with the bf16 workspace -- is copied by each block into its own shared
-// memory with cp.async.bulk (at most 16 KB per instruction), signalling the buffer's mbarrier (complete_tx). Two
-// buffers: chunk ci + 2 is issued when the block finished chunk ci, so each chunk's operands land a whole chunk
-// step ahead and every A-fragment read is a local shared-memory read. u0 (this block's columns only) is read from
-// global memory one chunk ahead, as in the single kernel.
-// Block: 8 warps; warp w = 4 wc + wi computes rows 16 wi .. 16 wi + 15 of U and o and rows [wi KP/4, (wi+1) KP/4)
-// of h, for the BV/2 columns wc BV/2 .. (wc + 1) BV/2 - 1 of the block's BV (BV = 32: per warp the work of the
-// single kernel at BV = 16; BV = 64: twice the independent MMAs per k-step, half the blocks).
-// bf16 workspace only (HALF; the fp32 one would need 2 x 112.5 KB); fp32 inputs, KDA_CUDA_CHUNK_WS_BF16=0 and
-// V > kScan3MaxV run the single kernel (host).
-constexpr int kScan3Threads = 256;
-constexpr int kScan3MaxV = 256;  // the V range the host sends to this kernel (and its tests cover)
-
-// BV: columns per block, 32 (default) or 64 (KDA_CUDA_SCAN3_BV=64: warps of 32 columns)
-template <int KP, int BV>
-struct Scan3Smem {
-  static constexpr int LDH = BV + 8;  // conflict-free B-fragment reads (8 t4 + gq covers the 32 banks)
-  // bytes of the shared region: WsLayout<KP>(true).u floats = w 64 KP + q~ 32 KP + k~^T 32 KP + A~ 2048 + decay KP
-  static constexpr uint32_t region = (129 * KP + kChunk * kChunk / 2) * 4;
-  static constexpr size_t hs_off = 2 * static_cast<size_t>(region);
-  static constexpr size_t us_off = hs_off + sizeof(float) * KP * LDH;
-  static constexpr size_t bar_off = us_off + sizeof(float) * kChunk * LDH;
-  static constexpr size_t bytes = bar_off + 2 * sizeof(uint64_t);
-};
-
-// A workspace A fragment as stored in the bf16 sections (four bf16 in a uint2: slots 0, 1 | 2, 3, little endian).
-__device__ __forceinline__ float4 frag_unpack(const uint2& u) {
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xffff0000u));
-}
-
+// ---- Shared-memory bulk copies and mbarriers (sm_90+; the scan delta_chunk_scan6_kernel) ----
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90+ PTX (bulk copies); the host checks
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -825,186 +786,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 
 #endif  // __CUDA_ARCH__ >= 900
-
-template <int KP, int BV>
-__global__ void __launch_bounds__(kScan3Threads, 1) delta_chunk_scan3_kernel(const ChunkFwdParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using S = Scan3Smem<KP, BV>;
-  constexpr int LDH = S::LDH;
-  constexpr int WC = BV / 2;   // columns per warp
-  constexpr int NT = WC / 8;   // 8-column tiles per warp
-  constexpr int MT = KP / 64;  // 16-row tiles of h per warp
-  constexpr uint32_t RB = S::region;
-  const WsLayout<KP> WL(true);
-  extern __shared__ __align__(128) unsigned char smem3[];
-  float* hs = reinterpret_cast<float*>(smem3 + S::hs_off);
-  float* Us = reinterpret_cast<float*>(smem3 + S::us_off);
-  const uint32_t bar0 = smem_u32(smem3 + S::bar_off);  // buffer b's mbarrier: bar0 + 8 b
-
-  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, wi = w & 3, wc = w >> 2;
-  const int cw = wc * WC;  // this warp's first column in the block's tile
-  const int gq = lane >> 2, t4 = lane & 3;
-  const int K = p.K, V = p.V, HV = p.HV;
-  int64_t bos;
-  int len;
-  seq_bounds(p.cu_seqlens, n, p.T, bos, len);
-  const int nch = (len + kChunk - 1) / kChunk;
-  const int c_first = p.cu_seqlens != nullptr ? p.chunk_off[n] : n * p.nc_per_seq;
-  const int64_t sbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
-
-  static_assert(RB % 16 == 0, "bulk copies move multiples of 16 bytes");
-  auto chunk_ws = [&](int ci) { return p.ws + (static_cast<int64_t>(c_first + ci) * HV + hv) * p.ws_stride; };
-  auto issue = [&](int ci) {  // one thread per CTA; copies of at most kBulkMax bytes
-    constexpr uint32_t kBulkMax = 16384;
-    const uint32_t dst = smem_u32(smem3 + (ci & 1) * RB), bar = bar0 + 8 * (ci & 1);
-    const char* src = reinterpret_cast<const char*>(chunk_ws(ci));
-    for (uint32_t b = 0; b < RB; b += kBulkMax) bulk_copy(dst + b, src + b, min(kBulkMax, RB - b), bar);
-  };
-
-  float hacc[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
-        hacc[mt][nt][e] = (p.h0 != nullptr && r < K && c < V) ? p.h0[sbase + static_cast<int64_t>(r) * V + c] : 0.f;
-      }
-  auto store_h = [&]() {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-          hs[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = hacc[mt][nt][e];
-        }
-  };
-  float u0r[NT][4];
-  auto load_u0 = [&](int ci) {
-    const float* ws = chunk_ws(ci);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wi * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
-        u0r[nt][e] = c < V ? __ldg(ws + WL.u + r * V + c) : 0.f;
-      }
-  };
-
-  if (tid == 0) {
-    mbar_init(bar0, 1);
-    mbar_init(bar0 + 8, 1);
-    mbar_init_fence();
-    // expected bytes of chunks 0 and 1, before the copies are issued (after the barrier below)
-    if (nch > 0) mbar_arrive_expect_tx(bar0, RB);
-    if (nch > 1) mbar_arrive_expect_tx(bar0 + 8, RB);
-  }
-  store_h();
-  __syncthreads();  // mbarriers initialised; hs complete
-  if (tid == 0) {
-    if (nch > 0) issue(0);
-    if (nch > 1) issue(1);
-  }
-  if (nch > 0) load_u0(0);
-
-  const int wfi = wi * (KP / 8) * 32 + lane;                // tile-lane indices of this warp's fragments: w, q~
-  const int afi = wi * (kChunk / 8) * 32 + lane;            // A~
-  const int kfi = wi * MT * (kChunk / 8) * 32 + lane;       // k~^T
-  for (int ci = 0; ci < nch; ++ci) {
-    const int L = min(kChunk, len - ci * kChunk);
-    const unsigned char* buf = smem3 + (ci & 1) * RB;
-    const float4* sw = reinterpret_cast<const float4*>(buf) + WL.w / 4;    // fp32 float4 per tile-lane
-    const uint2* sq = reinterpret_cast<const uint2*>(buf + WL.qg * 4);     // bf16 uint2 per tile-lane
-    const uint2* sk = reinterpret_cast<const uint2*>(buf + WL.kg * 4);
-    const uint2* sa = reinterpret_cast<const uint2*>(buf + WL.aqk * 4);
-    const float* sd = reinterpret_cast<const float*>(buf) + WL.decay;
-    mbar_wait_parity(bar0 + 8 * (ci & 1), (ci >> 1) & 1);
-
-    // U = u0 - w h (two chains: even / odd k-steps)
-    float a0[NT][4], a1[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KP / 8; ks += 2) {
-      mma_row_tiles<false>(a0, sw[wfi + ks * 32], hs + cw, LDH, ks * 8, t4, gq);
-      mma_row_tiles<false>(a1, sw[wfi + (ks + 1) * 32], hs + cw, LDH, (ks + 1) * 8, t4, gq);
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wi * 16 + gq + (e >> 1) * 8;
-        Us[r * LDH + cw + nt * 8 + 2 * t4 + (e & 1)] = u0r[nt][e] - (a0[nt][e] + a1[nt][e]);
-      }
-    if (ci + 1 < nch) load_u0(ci + 1);
-    __syncthreads();  // Us complete
-
-    // o = q~ h + A~ U (two chains)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) a0[nt][e] = a1[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KP / 8; ++ks)
-      mma_row_tiles<false>(a0, frag_unpack(sq[wfi + ks * 32]), hs + cw, LDH, ks * 8, t4, gq);
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 8; ++ks)
-      if (ks < 2 * wi + 2) mma_row_tiles<false>(a1, frag_unpack(sa[afi + ks * 32]), Us + cw, LDH, ks * 8, t4, gq);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wi * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
-        if (r < L && c < V)
-          store_in(p.o, ((bos + ci * kChunk + r) * HV + hv) * V + c, p.in_dtype, a0[nt][e] + a1[nt][e]);
-      }
-
-    // h <- Diag(decay) h + k~^T U
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const float d0 = sd[(wi * MT + mt) * 16 + gq], d1 = sd[(wi * MT + mt) * 16 + gq + 8];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        hacc[mt][nt][0] *= d0;
-        hacc[mt][nt][1] *= d0;
-        hacc[mt][nt][2] *= d1;
-        hacc[mt][nt][3] *= d1;
-      }
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 8; ++ks)
-        mma_row_tiles<false>(hacc[mt], frag_unpack(sk[kfi + (mt * (kChunk / 8) + ks) * 32]), Us + cw, LDH, ks * 8,
-                             t4, gq);
-    }
-    // this thread is done with buffer ci & 1: thread 0 re-arms its mbarrier for chunk ci + 2, and once every warp
-    // passed the barrier below (the last reads of the buffer), refills it
-    if (tid == 0 && ci + 2 < nch) mbar_arrive_expect_tx(bar0 + 8 * (ci & 1), RB);
-    __syncthreads();  // every warp finished reading hs (U, o) and Us
-    store_h();
-    __syncthreads();  // hs complete for the next chunk
-    if (tid == 0 && ci + 2 < nch) issue(ci + 2);
-  }
-
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = (wi * MT + mt) * 16 + gq + (e >> 1) * 8;
-        const int c = v0 + cw + nt * 8 + 2 * t4 + (e & 1);
-        if (r < K && c < V) p.ht[sbase + static_cast<int64_t>(r) * V + c] = hacc[mt][nt][e];
-      }
-#endif  // __CUDA_ARCH__ >= 900
-}
 
 }  // namespace cuda
 }  // namespace kda_kernels

@@ -9,35 +9,24 @@
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels");
 // in session 10 KDA_CUDA_KDA_PREP=4 / 5 (KDA prep v3); in session 11 KDA_CUDA_GDN_PREP=1 (the GDN prep v1
 // gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227) and KDA_CUDA_KDA_PREP=2 (kda_chunk_prep2 without the 8x8
-// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults, which other values run too;
-// both variables are read (for the refusals) at every call.
-// The scan (KDA_CUDA_CHUNK_SCAN, read at every call): 4 the bulk-prefetch scan delta_chunk_scan3_kernel where it
-// applies (bf16 workspace, V <= 256, sm_90+; measured on the H200 in session 5: 0.48 ms against the single kernel's
-// 0.56 at B1 T8192 H16 HV32), elsewhere, and for 1 (or any other value), the single kernel delta_chunk_scan_kernel;
-// unset (0): 8 (session 11; 7 from session 9; before: 4 when its blocks fit on the SMs at once, else 1 -- see
-// chunk_fwd_params below).
-// 5 / 6 (opt-in): the split forward where scan3 applies -- the state-only scan delta_chunk_scan4_kernel storing each
-// chunk's start state h_c and U = u0 - w h (5: fp32, 6: bf16) in a per-call buffer, then delta_chunk_out_kernel
-// computing every chunk's o = q~ h_c + A~ U_c in parallel (chunk_scan_run); elsewhere as 4.
-// 7 (the default in sessions 9 and 10): the warp-specialized scan delta_chunk_scan5_kernel where scan3 applies (8
-// recurrence warps as scan4, 8 output warps computing each chunk's o from shared h_c / U_c buffers); elsewhere as 4
-// (so the single kernel for fp32 inputs / workspaces). Measured on the H200 (session 9 candidate call, graphs):
-// scan 0.35 vs scan3's 0.48 ms at B1 T8192 H16 HV32; the forward KDA / GDN 0.91 / 0.66 vs 1.04 / 0.77 ms (B1
-// T8192), 3.57 / 2.72 vs 4.08 / 3.11 (B1 T32768), 1.87 / 1.42 vs the single kernel's 1.94 / 1.49 (B4 T4096 H=HV=32,
-// 512 blocks), 4.18 / 3.24 vs 4.70 / 3.68 (varlen mix).
-// 8 (the default since session 11): delta_chunk_scan6_kernel (delta_chunk_scan6.cuh) where scan3 applies, else as
-// 4: scan5's products in scan5's order (bit-identical o and final state) with larger warp tiles, fewer shared-memory
-// / L1 wavefronts per chunk. Session 11 candidate call (one H200): scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
-// HV32; forward under graphs KDA 0.864 vs 0.912, GDN 0.546 vs 0.586 ms; varlen mix KDA 4.01 vs 4.08, GDN 2.68 vs
-// 2.80. 9 (its variant with the U and o chains split over warp pairs, 0.427 ms) was retired in the same session.
+// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; since
+// session 12 any other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of
+// this file (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
+// The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 8):
+// 8 (the default since session 11) delta_chunk_scan6_kernel (delta_chunk_scan6.cuh) where it applies (bf16
+// workspace, V <= 256, sm_90+; session 11 candidate call, one H200: scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
+// HV32), elsewhere -- fp32 inputs / workspaces, V > 256, pre-sm_90 -- and for 1 the single kernel
+// delta_chunk_scan_kernel. Any other value raises an error naming the knob and the accepted values.
+// Retired (refused, docs/cuda.md "Retired kernels"): 9 (scan6 with warp pairs, 0.427 ms) in session 11; in
+// session 12 4 (the bulk-prefetch scan delta_chunk_scan3_kernel, 0.48 ms, the default until session 9; with it
+// KDA_CUDA_SCAN3_BV, its column width, is no longer read), 5 / 6 (the split forward delta_chunk_scan4_kernel +
+// delta_chunk_out_kernel, fp32 / bf16 h_c and U_c: 0.30 / 0.32 + 0.22 / 0.15 ms, session 8) and 7 (the warp-specialized scan5 delta_chunk_scan5_kernel,
+// 0.350 ms, the default in sessions 9 and 10; scan6 is its products in its order, bit-identical).
 #pragma once
 
 #include <vector>
 
 #include "delta_chunk_fwd.cuh"
-#include "delta_chunk_out.cuh"
-#include "delta_chunk_scan4.cuh"
-#include "delta_chunk_scan5.cuh"
 #include "delta_chunk_scan6.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
@@ -46,6 +35,10 @@
 
 namespace kda_kernels {
 namespace cuda {
+
+// KDA_CUDA_CHUNK_SCAN's accepted values (0: unset, runs 8; 1: the single kernel; 8: scan6; see the top of this
+// file). A new scan: add its value here and its launch in run_chunk_scan.
+constexpr int kChunkScanModes[] = {0, 1, 8};
 
 // (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
 inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
@@ -110,50 +103,16 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Bulk-prefetch scan: grid (sequence, head, ceil(V / BV)); 8 warps, ~175 KB (BV 32) / ~199 KB (BV 64) of dynamic
-// shared memory at KP = 128 (two copies of the chunk's shared workspace region), one block per SM.
-template <int KP, int BV>
-void launch_chunk_scan3_t(const ChunkFwdParams& p, cudaStream_t st) {
-  using S = Scan3Smem<KP, BV>;
-  auto kern = delta_chunk_scan3_kernel<KP, BV>;
-  TORCH_CHECK(WsLayout<KP>(true).u * 4 == static_cast<int64_t>(S::region), "scan3: workspace region mismatch");
-  allow_dynamic_smem(kern, S::bytes);
-  TORCH_CHECK(p.ws_stride % 4 == 0, "scan3: workspace slices must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV), static_cast<unsigned>((p.V + BV - 1) / BV));
-  kern<<<grid, kScan3Threads, S::bytes, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// KDA_CUDA_SCAN3_BV=64: 64-column blocks (read at every call; default 32).
-template <int KP>
-void launch_chunk_scan3(const ChunkFwdParams& p, cudaStream_t st) {
-  if (env_int("KDA_CUDA_SCAN3_BV", 32) == 64) launch_chunk_scan3_t<KP, 64>(p, st);
-  else launch_chunk_scan3_t<KP, 32>(p, st);
-}
-
-// Warp-specialized scan: grid (sequence, head, ceil(V / 32)); 16 warps, ~187 KB of dynamic shared memory at
-// KP = 128, one block per SM.
-template <int KP>
-void launch_chunk_scan5(const ChunkFwdParams& p, cudaStream_t st) {
-  using S = Scan5Smem<KP>;
-  auto kern = delta_chunk_scan5_kernel<KP>;
-  allow_dynamic_smem(kern, S::bytes);
-  TORCH_CHECK(p.ws_stride % 4 == 0, "scan5: workspace slices must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
-  kern<<<grid, kScan5Threads, S::bytes, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// scan6 (KDA_CUDA_CHUNK_SCAN=8, the default): scan5's grid, 12 warps, scan5's shared memory.
+// scan6 (KDA_CUDA_CHUNK_SCAN=8, the default): grid (sequence, head, ceil(V / 32)); 12 warps, ~187 KB of dynamic
+// shared memory at KP = 128, one block per SM.
 template <int KP>
 void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
-  constexpr size_t bytes = Scan5Smem<KP>::bytes;
+  constexpr size_t bytes = Scan6Smem<KP>::bytes;
   auto kern = delta_chunk_scan6_kernel<KP>;
   allow_dynamic_smem(kern, bytes);
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan6: workspace slices must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>((p.V + Scan5Smem<KP>::BV - 1) / Scan5Smem<KP>::BV));
+                  static_cast<unsigned>((p.V + Scan6Smem<KP>::BV - 1) / Scan6Smem<KP>::BV));
   kern<<<grid, kScan6Threads, bytes, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -174,46 +133,19 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
 
 // The state-dependent half: the scan from p.h0 over the chunks (o and the final state).
 template <int KP, bool PRECISE>
-void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
-  if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
-    if constexpr (!PRECISE) {
-      if (p.scan_ws == 2) launch_chunk_scan6<KP>(p, st);
-      else if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
-      else launch_chunk_scan3<KP>(p, st);
+void run_chunk_scan(const char* op, const ChunkFwdParams& p, cudaStream_t st) {
+  // the single kernel's column width (checked at every call, also where scan6 runs): 0 by the SM count, 16, 32
+  const int bv = env_choice(op, "KDA_CUDA_CHUNK_BV", 0, {0, 16, 32});
+  if constexpr (!PRECISE) {
+    if (p.scan == 8 && p.ws_bf16 && p.V <= kScan6MaxV && cc_major() >= 9) {  // scan6 (the default)
+      launch_chunk_scan6<KP>(p, st);
+      return;
     }
-    return;
   }
   // the single scan kernel (o inside the sequential loop); 16 columns per block when 32 would leave SMs idle
-  const int bv = env_int("KDA_CUDA_CHUNK_BV", 0);
   const bool narrow = bv == 16 || (bv != 32 && scan_blocks32(p.N, p.HV, p.V) < 2LL * num_sms());
   if (narrow) launch_chunk_scan<KP, 16, PRECISE>(p, st);
   else launch_chunk_scan<KP, 32, PRECISE>(p, st);
-}
-
-// The split forward (KDA_CUDA_CHUNK_SCAN=5 / 6): the state-only scan, then the output kernel over every chunk.
-template <int KP, bool HB>
-void launch_chunk_split_t(const ChunkFwdParams& p, const ChunkSplitWs& sw, int64_t max_chunks, cudaStream_t st) {
-  using S = Scan4Smem<KP>;
-  auto scan = delta_chunk_scan4_kernel<KP, HB>;
-  allow_dynamic_smem(scan, S::bytes);
-  TORCH_CHECK(p.ws_stride % 4 == 0, "scan4: workspace slices must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
-  scan<<<grid, kScan4Threads, S::bytes, st>>>(p, sw);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (max_chunks <= 0) return;
-  auto out = delta_chunk_out_kernel<KP, HB>;
-  allow_dynamic_smem(out, OutSmem<KP>::bytes);
-  const int64_t ntile = (sw.vp + kOutBV - 1) / kOutBV;
-  TORCH_CHECK(max_chunks * ntile < (1LL << 31), "split forward: too many chunks");
-  const dim3 ogrid(static_cast<unsigned>(max_chunks * ntile), static_cast<unsigned>(p.HV));
-  out<<<ogrid, kOutThreads, OutSmem<KP>::bytes, st>>>(p, sw);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Where the split applies: the bulk-prefetch scan's range (bf16 workspace, V <= kScan3MaxV, sm_90+).
-inline bool chunk_split_applies(const ChunkFwdParams& p) {
-  return p.scan_split != 0 && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9;
 }
 
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
@@ -228,10 +160,12 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 5, "the KDA prep v3 kda_chunk_prep3_kernel (unrolled)", 10);
     // (2: kda_chunk_prep2 without the 8x8 split, 0.617 ms in session 7 against 0.571 with it in session 8; removed)
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 2, "kda_chunk_prep2_kernel without the 8x8 split", 11);
+    env_choice("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 3, {3});  // kda_chunk_prep2 with the split (fp32: generic)
   } else {
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
     // (1: the GDN prep v1 gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227 in session 10; kernel removed)
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 1, "the GDN prep v1 gdn_chunk_prep_kernel", 11);
+    env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2});  // gdn_chunk_prep2 (fp32 inputs: the generic prep)
   }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
@@ -243,40 +177,14 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
   }
 }
 
-inline void chunk_scan_dispatch(const ChunkFwdParams& p, cudaStream_t st) {
+inline void chunk_scan_dispatch(const char* op, const ChunkFwdParams& p, cudaStream_t st) {
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
-    if (precise) run_chunk_scan<64, true>(p, st);
-    else run_chunk_scan<64, false>(p, st);
+    if (precise) run_chunk_scan<64, true>(op, p, st);
+    else run_chunk_scan<64, false>(op, p, st);
   } else {
-    if (precise) run_chunk_scan<128, true>(p, st);
-    else run_chunk_scan<128, false>(p, st);
-  }
-}
-
-// The scan stage of one call: the split forward (h_c / U_c buffers of this call, freed in stream order) where it
-// applies, else chunk_scan_dispatch. like: a tensor on the call's device.
-inline void chunk_scan_run(ChunkFwdParams p, const at::Tensor& like, int64_t max_chunks, cudaStream_t st) {
-  if (!chunk_split_applies(p)) {
-    chunk_scan_dispatch(p, st);
-    return;
-  }
-  const bool hb = p.scan_split == 2;
-  const int64_t KP = p.K <= 64 ? 64 : 128;
-  ChunkSplitWs sw{};
-  sw.vp = (p.V + 7) / 8 * 8;
-  const int64_t rows = std::max<int64_t>(max_chunks, 0) * p.HV * sw.vp;
-  auto opt = like.options().dtype(hb ? at::kBFloat16 : at::kFloat);
-  at::Tensor hc = at::empty({std::max<int64_t>(rows * KP, 1)}, opt);
-  at::Tensor uc = at::empty({std::max<int64_t>(rows * kChunk, 1)}, opt);
-  sw.hc = hc.data_ptr();
-  sw.uc = uc.data_ptr();
-  if (KP == 64) {
-    if (hb) launch_chunk_split_t<64, true>(p, sw, max_chunks, st);
-    else launch_chunk_split_t<64, false>(p, sw, max_chunks, st);
-  } else {
-    if (hb) launch_chunk_split_t<128, true>(p, sw, max_chunks, st);
-    else launch_chunk_split_t<128, false>(p, sw, max_chunks, st);
+    if (precise) run_chunk_scan<128, true>(op, p, st);
+    else run_chunk_scan<128, false>(op, p, st);
   }
 }
 
@@ -301,11 +209,16 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const bool fresh = work.empty();
   if (fresh) {
     // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
-    const int64_t ws_bf16 = (p.in_dtype != kF32 && env_int("KDA_CUDA_CHUNK_WS_BF16", 1) != 0) ? 1 : 0;
-    // Unset: scan6 (8) at every size (session 11: scan5's products with fewer wavefronts; scan5, 7, was faster than
-    // both the bulk-prefetch scan and the single kernel at 128 to 2048 blocks; see the top of this file).
+    const int ws_knob = env_choice(op, "KDA_CUDA_CHUNK_WS_BF16", 1, {0, 1});
+    const int64_t ws_bf16 = (p.in_dtype != kF32 && ws_knob != 0) ? 1 : 0;
+    // Unset (or 0): scan6 (8) at every size (session 11: scan5's products with fewer wavefronts; see the top of
+    // this file). Retired values are refused first (their own message), then anything not in kChunkScanModes.
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 9, "scan6 with warp pairs (delta_chunk_scan6_kernel<KP, true>)", 11);
-    int64_t scan_mode = env_int("KDA_CUDA_CHUNK_SCAN", 0);
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 4, "the bulk-prefetch scan delta_chunk_scan3_kernel", 12);
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 5, "the split forward delta_chunk_scan4_kernel + delta_chunk_out_kernel (fp32 h_c, U_c)", 12);
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 6, "the split forward delta_chunk_scan4_kernel + delta_chunk_out_kernel (bf16 h_c, U_c)", 12);
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 7, "the warp-specialized scan delta_chunk_scan5_kernel", 12);
+    int64_t scan_mode = env_choice(op, "KDA_CUDA_CHUNK_SCAN", 0, kChunkScanModes);
     if (scan_mode == 0) scan_mode = 8;
     const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N
                                       : static_cast<int64_t>(s.B) * ((s.T + kChunk - 1) / kChunk);
@@ -324,9 +237,7 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = (scan_mode >= 4 && scan_mode <= 8) ? 1 : 0;  // see the top of this file
-  p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
-  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : 0;
+  p.scan = scan_mode;  // run_chunk_scan; see the top of this file
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
@@ -379,7 +290,7 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   kmax_for(s.K, op);
   c10::cuda::CUDAGuard guard(q.device());
   // the recurrent kernel (exact) for K > 128, on request, and on devices without the prep's shared memory
-  if (s.K > 128 || env_int("KDA_CUDA_CHUNK_FWD", 1) == 0 ||
+  if (s.K > 128 || env_choice(op, "KDA_CUDA_CHUNK_FWD", 1, {0, 1}) == 0 ||
       smem_optin() < static_cast<int>(chunk_fwd_prep_smem<PC>(s.K, in_dtype_of(q, op) == kF32)))
     return recurrent_fwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu);
   at::Tensor o = at::empty({s.B, s.T, s.HV, s.V}, q.options());
@@ -393,7 +304,7 @@ DeltaFwdResult chunk_fwd(const char* op, const at::Tensor& q, const at::Tensor& 
   p.h0 = h0; p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
   const int mc = static_cast<int>(max_chunks);
   chunk_prep_dispatch<PC>(p, mc, st);
-  chunk_scan_run(p, q, max_chunks, st);
+  chunk_scan_dispatch(op, p, st);
   return {o, ht};
 }
 
@@ -431,7 +342,7 @@ std::vector<at::Tensor> chunk_fwd_stage(const char* op, at::TensorList work_in, 
   at::Tensor ht = at::empty({s.N, s.HV, s.K, s.V}, q.options().dtype(at::kFloat));
   p.h0 = chunk_fwd_h0(op, initial_state, q, ht);
   p.ht = ht.data_ptr<float>(); p.o = o.data_ptr();
-  chunk_scan_run(p, q, max_chunks, st);
+  chunk_scan_dispatch(op, p, st);
   return {o, ht};
 }
 

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -38,13 +40,47 @@ inline int env_int(const char* name, int dflt) {
   return (s && *s) ? std::atoi(s) : dflt;
 }
 
+// A knob's text as a whole decimal integer (leading blanks and a sign allowed, nothing after the digits).
+inline bool env_text_int(const char* s, long& v) {
+  char* end = nullptr;
+  errno = 0;
+  v = std::strtol(s, &end, 10);
+  return end != s && *end == '\0' && errno == 0;
+}
+
 // A knob value whose kernel was retired (docs/cuda.md, "Retired kernels"): refused with a clear error rather than
-// silently running another kernel. `what` names the retired kernel.
+// silently running another kernel. `what` names the retired kernel. The knob must be that whole number (since
+// session 12; before, any text atoi read as it, e.g. "abc" as a retired 0).
 inline void refuse_retired(const char* op, const char* knob, int value, const char* what, int session = 9) {
   const char* s = std::getenv(knob);
-  TORCH_CHECK(!(s && *s && std::atoi(s) == value), "[", op, "] ", knob, "=", value, " selected ", what,
+  long v = 0;
+  TORCH_CHECK(!(s && *s && env_text_int(s, v) && v == value), "[", op, "] ", knob, "=", value, " selected ", what,
               ", retired in session ", session, " (docs/cuda.md, \"Retired kernels\"): unset ", knob,
               " or pick another value");
+}
+
+// A knob with a fixed set of accepted values: its value, or dflt when unset / empty. Anything else (a number not in
+// `accepted`, or text that is not a whole number) raises a RuntimeError naming the knob, the value and the
+// accepted values, rather than silently running another path. Retired values are refused first (refuse_retired).
+inline int env_choice_n(const char* op, const char* knob, int dflt, const int* accepted, size_t n) {
+  const char* s = std::getenv(knob);
+  if (!(s && *s)) return dflt;
+  long v = 0;
+  const bool number = env_text_int(s, v);
+  for (size_t i = 0; number && i < n; ++i)
+    if (v == accepted[i]) return accepted[i];
+  std::string list;
+  for (size_t i = 0; i < n; ++i) list += (i ? ", " : "") + std::to_string(accepted[i]);
+  TORCH_CHECK(false, "[", op, "] ", knob, "=", s, " is not an accepted value: ", knob, " takes ", list,
+              " (unset: ", dflt, "; docs/cuda.md lists the knobs)");
+  return dflt;
+}
+inline int env_choice(const char* op, const char* knob, int dflt, std::initializer_list<int> accepted) {
+  return env_choice_n(op, knob, dflt, accepted.begin(), accepted.size());
+}
+template <size_t N>
+inline int env_choice(const char* op, const char* knob, int dflt, const int (&accepted)[N]) {
+  return env_choice_n(op, knob, dflt, accepted, N);
 }
 
 // Lets `kern` launch with `bytes` of dynamic shared memory on the current device. The attribute belongs to the

@@ -152,6 +152,22 @@ __device__ __forceinline__ void gdn_stage(uint16_t* dst, int ld, const uint16_t*
 // takes tokens t0 = 2l and t0 + 1 (gate and beta 0 at and past L), scans the gates in double (G_t inclusive;
 // G_last = G_63, the padding adds 0), and writes Gh[t] (the prefix as hi / lo floats) and Ea[t] = e^{G_t} for both
 // tokens. Returns the lane's betas and G_t0, G_t0+1, G_last for the caller's own tables.
+// The double prefix scan itself, on one warp (also the backward's grad3_gdn, delta_chunk_bwd_grad3_gdn.cuh): lane
+// l holds the gates g0, g1 of tokens 2l, 2l + 1 (0 at and past the chunk's end); returns G_2l, G_2l+1 (inclusive
+// prefixes, summed in double in this order) and G_last = G_63 in G0, G1, Gl.
+__device__ __forceinline__ void gate_prefix_warp(float g0, float g1, int lane, double& G0, double& G1, double& Gl) {
+  double s = static_cast<double>(g0) + static_cast<double>(g1);
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const double o = __shfl_up_sync(0xffffffffu, s, d);
+    if (lane >= d) s += o;
+  }
+  double ex = __shfl_up_sync(0xffffffffu, s, 1);
+  if (lane == 0) ex = 0.0;
+  G0 = ex + static_cast<double>(g0);
+  G1 = G0 + static_cast<double>(g1);
+  Gl = __shfl_sync(0xffffffffu, G1, 31);
+}
 struct GdnGatePrefix {
   float b0, b1;
   double G0, G1, Gl;
@@ -168,16 +184,8 @@ __device__ __forceinline__ GdnGatePrefix gdn_gate_prefix(const float* g, const f
     g1 = __ldg(g + (tok0 + t0 + 1) * HV + hv);
     b1 = __ldg(beta + (tok0 + t0 + 1) * HV + hv);
   }
-  double s = static_cast<double>(g0) + static_cast<double>(g1);
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const double o = __shfl_up_sync(0xffffffffu, s, d);
-    if (lane >= d) s += o;
-  }
-  double ex = __shfl_up_sync(0xffffffffu, s, 1);
-  if (lane == 0) ex = 0.0;
-  const double G0 = ex + static_cast<double>(g0), G1 = G0 + static_cast<double>(g1);
-  const double Gl = __shfl_sync(0xffffffffu, G1, 31);
+  double G0, G1, Gl;
+  gate_prefix_warp(g0, g1, lane, G0, G1, Gl);
   Gh[t0] = split_hi_lo(G0);
   Gh[t0 + 1] = split_hi_lo(G1);
   Ea[t0] = __expf(static_cast<float>(G0));

@@ -1,19 +1,22 @@
-"""CPU emulation of what is new in the warp-specialized scan (KDA_CUDA_CHUNK_SCAN=7,
-kernels_src/cuda/delta_chunk_scan5.cuh): the shared-memory layout Scan5Smem and the handoff of h_c / U_c between
-the recurrence warps and the output warps through NB rotating buffers and the mbarriers full[NB] / empty[NB].
+"""CPU emulation of the handoff of h_c / U_c in the scan delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the
+default; kernels_src/cuda/delta_chunk_scan6.cuh) between its recurrence warps and its output warps through NB
+rotating buffers and the mbarriers full[NB] / empty[NB], and its shared-memory layout Scan6Smem. (Written in session
+9 for scan5, whose handoff scan6 kept; since session 12, when scan5 was retired, with scan6's arrivals.)
 
-The recurrence's own products (ScanRec: scan4's U and h update, operand bulk copies) are emulated by
-tests/test_cuda_split_emu.py and the output products (scan3's o chains) by tests/test_cuda_scan3_emu.py; here the
-agents move chunk tags instead of numbers. Recurrence and output warps (each arrives once, lane 0 after __syncwarp)
-are modelled as a few agents each (every agent owns its part of each buffer), run in random interleavings (each
-agent with a random speed): the recurrence agents meet at the named barrier twice per chunk, arrive on full[b] after
-writing their part of U_c, and wait on empty[b] (the kernel's parity formula) before writing h_{c+1} into buffer
-(c + 1) % NB; the output agents wait on full[c % NB] (parity (c / NB) & 1), read every part of h_c and U_c, then
-arrive on empty. mbarriers complete a phase when all their expected arrivals came; try_wait.parity(P) succeeds when
-the phase of parity P has completed. Checks: every read sees the chunk it expects (no buffer is overwritten before
-its readers are done, none is read before it is written), no deadlock, for 0..13 chunks and NB 2, 3, 4; and the same
-emulation with the empty wait dropped or its parity off by one fails (the checks can fail). Runs without a GPU; the
-CUDA code itself is tested by tests/test_cuda_chunk_fwd.py (test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*).
+The products themselves are emulated by tests/test_cuda_scan6_emu.py; here the agents move chunk tags instead of
+numbers. Recurrence and output warps (each arrives once, lane 0 after __syncwarp) are modelled as a few agents each
+(every recurrence agent owns its part of each h buffer; the first n_u of them -- scan6's warps 0..3 -- also own
+the parts of U), run in random interleavings (each agent with a random speed): the recurrence agents meet at the
+named barrier twice per chunk; a U writer arrives on full[b] after writing its part of U_c, the others at the top of
+the chunk step (their part of h_c was written before the barrier that ended the previous step); each waits on
+empty[b] (the kernel's parity formula) before writing h_{c+1} into buffer (c + 1) % NB; the output agents wait on
+full[c % NB] (parity (c / NB) & 1), read every part of h_c and U_c, then arrive on empty. mbarriers complete a
+phase when all their expected arrivals came; try_wait.parity(P) succeeds when the phase of parity P has completed.
+Checks: every read sees the chunk it expects (no buffer is overwritten before its readers are done, none is read
+before it is written), no deadlock, for 0..13 chunks and NB 2, 3, 4; and the same emulation with the empty wait
+dropped, its parity off by one, or a U writer arriving before its part of U_c is written fails (the checks can
+fail). (A non-U agent arriving early is harmless: full completes only with the U writers' arrivals, which follow
+the barrier that every h part precedes.) Runs without a GPU; the CUDA code itself is tested by tests/test_cuda_scan6.py.
 """
 import random
 
@@ -52,11 +55,12 @@ class NamedBarrier:
         yield lambda: self.gen != gen
 
 
-def run(nch, NB, n_rec=2, n_out=3, seed=0, mutate=None):
-    """One random interleaving; returns None or the first failed check (a string)."""
+def run(nch, NB, n_rec=4, n_u=2, n_out=3, seed=0, mutate=None):
+    """One random interleaving; returns None or the first failed check (a string). Recurrence agents 0 .. n_u - 1
+    write U (and arrive on full after it), the others arrive at the top of the chunk step."""
     rng = random.Random(seed)
     hs = [[None] * n_rec for _ in range(NB)]  # chunk whose h_c each agent's part holds
-    us = [[None] * n_rec for _ in range(NB)]
+    us = [[None] * n_u for _ in range(NB)]
     full = [MBar(n_rec) for _ in range(NB)]
     empty = [MBar(n_out) for _ in range(NB)]
     bar = NamedBarrier(n_rec)
@@ -67,19 +71,28 @@ def run(nch, NB, n_rec=2, n_out=3, seed=0, mutate=None):
             errors.append(msg)
 
     def rec(r):
+        ufin = r < n_u
         hs[0][r] = 0
         yield from bar.sync()
         for ci in range(nch):
             b = ci % NB
-            for part in range(n_rec):  # U = u0 - w h reads h_c (every part: the mma B operand spans all rows)
-                check(hs[b][part] == ci, f"rec {r} chunk {ci}: h part {part} holds {hs[b][part]}")
+            if not ufin:
+                full[b].arrive()  # its part of h_c is complete (written before the last barrier)
                 yield None
-            us[b][r] = ci
-            yield None
-            full[b].arrive()
-            yield None
+            if ufin:
+                for part in range(n_rec):  # U = u0 - w h reads h_c (every part: the mma B operand spans all rows)
+                    check(hs[b][part] == ci, f"rec {r} chunk {ci}: h part {part} holds {hs[b][part]}")
+                    yield None
+                if mutate == "u_early":  # arrives before its part of U_c is written
+                    full[b].arrive()
+                    yield None
+                us[b][r] = ci
+                yield None
+                if mutate != "u_early":
+                    full[b].arrive()
+                    yield None
             yield from bar.sync()
-            for part in range(n_rec):  # h update reads all of U_c
+            for part in range(n_u):  # h update reads all of U_c
                 check(us[b][part] == ci, f"rec {r} chunk {ci}: U part {part} holds {us[b][part]}")
                 yield None
             if ci + 1 < nch:
@@ -102,6 +115,7 @@ def run(nch, NB, n_rec=2, n_out=3, seed=0, mutate=None):
             for part in range(n_rec):
                 check(hs[b][part] == ci, f"out {o} chunk {ci}: h part {part} holds {hs[b][part]}")
                 yield None
+            for part in range(n_u):
                 check(us[b][part] == ci, f"out {o} chunk {ci}: U part {part} holds {us[b][part]}")
                 yield None
             empty[b].arrive()
@@ -125,9 +139,9 @@ def run(nch, NB, n_rec=2, n_out=3, seed=0, mutate=None):
     return None
 
 
-def scan5_smem(KP, NB=3):
-    """Scan5Smem<KP>: (hs_off, us_off, bar_off, bytes); Scan4Smem's operand region twice, then NB h_c / U_c tiles
-    of stride LDH = 40 floats, then 2 + 2 NB mbarriers."""
+def scan6_smem(KP, NB=3):
+    """Scan6Smem<KP>: (hs_off, us_off, bar_off, bytes); the operand region (w fp32 | k~^T bf16 | decay) twice, then
+    NB h_c / U_c tiles of stride LDH = 40 floats, then 2 + 2 NB mbarriers."""
     LDH = 32 + 8
     region = C * KP * 4 + C * KP * 2 + KP * 4
     hs_off = 2 * region
@@ -137,8 +151,8 @@ def scan5_smem(KP, NB=3):
 
 
 @pytest.mark.parametrize("KP", [64, 128])
-def test_scan5_smem_layout(KP):
-    hs_off, us_off, bar_off, total = scan5_smem(KP)
+def test_scan6_smem_layout(KP):
+    hs_off, us_off, bar_off, total = scan6_smem(KP)
     assert hs_off % 128 == 0 and us_off % BULK == 0 and bar_off % 8 == 0  # bulk-copy targets, float4, mbarriers
     assert total <= 227 * 1024  # one block per SM (the static_assert in the kernel)
     if KP == 128:
@@ -147,15 +161,16 @@ def test_scan5_smem_layout(KP):
 
 @pytest.mark.parametrize("NB", [2, 3, 4])
 @pytest.mark.parametrize("nch", list(range(14)))
-def test_scan5_handoff(nch, NB):
+def test_scan6_handoff(nch, NB):
     for seed in range(40):
         err = run(nch, NB, seed=seed)
         assert err is None, f"nch={nch} NB={NB} seed={seed}: {err}"
 
 
-@pytest.mark.parametrize("mutate", ["no_empty_wait", "parity_off"])
-def test_scan5_handoff_checks_can_fail(mutate):
+@pytest.mark.parametrize("mutate", ["no_empty_wait", "parity_off", "u_early"])
+def test_scan6_handoff_checks_can_fail(mutate):
     """Without the empty wait the recurrence may overwrite h_c before the output agents read it; with the wrong
-    parity it either overwrites too early or waits for a phase that never comes (deadlock)."""
+    parity it either overwrites too early or waits for a phase that never comes (deadlock); a U writer that arrives
+    on full before writing its part of U_c lets the output agents read it too early."""
     fails = [run(12, 3, seed=s, mutate=mutate) for s in range(200)]
     assert any(f is not None for f in fails)
