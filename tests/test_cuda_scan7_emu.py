@@ -1,10 +1,12 @@
-"""CPU emulation of the index math of the bf16-operand scan delta_chunk_scan7_kernel (KDA_CUDA_CHUNK_SCAN=10, opt-in;
-kernels_src/cuda/delta_chunk_scan7.cuh), lane by lane, for one chunk step:
+"""CPU emulation of the index math of the bf16-operand scan delta_chunk_scan7_kernel<KP, UHL> (KDA_CUDA_CHUNK_SCAN=10 /
+11, opt-in; kernels_src/cuda/delta_chunk_scan7.cuh), lane by lane, for one chunk step:
   - the m16n8k16 A fragments made from two of the workspace's bf16 fragment tiles by byte permutes (afrag16) under
     scan7's k order (slot 2t <- 16s + t, 2t+1 <- 16s + t + 8, 2t+8 <- 16s + t + 4, 2t+9 <- 16s + t + 12);
   - h_c / U_c as row-pair words (rows r, r + 8) in shared memory, written from accumulator tiles (s7_put_tile) and
     read as B fragments (mma_tiles16);
-  - u0 as bf16 pairs (load_u0w), w / q~ / k~^T / A~ in the workspace's bf16 fragment order (ws_put_frag);
+  - u0 fp32 per element (load_u0w), w / q~ / k~^T / A~ in the workspace's bf16 fragment order (ws_put_frag);
+  - UHL: U as high and low words (s7_put_tile_hl; here split 3/4 + 1/4 so that a lost or misplaced half shows),
+    both used by k~^T U and A~ U;
   - U = u0 - w h (4 warps x 16 rows x 32 columns, two chains), h <- Diag(decay) h + k~^T U (ScanRec's tiles),
     o = q~ h + A~ U (4 warps, A~'s k-steps past the diagonal block skipped);
   - the shared-memory bank pattern of the B reads and the tile stores (conflict-free).
@@ -111,19 +113,18 @@ def acc_tile(M, r0, c0):
 
 
 def load_u0w(u0, wi, mutate=None):
-    """load_u0w: u0p[nt][h] = (u0[r][c], u0[r][c + 1]), r = 16 wi + g + 8 h, c = 8 nt + 2t: [4, 2, 32, 2]."""
-    out = np.zeros((4, 2, 32, 2))
+    """load_u0w: u0w[nt][e] = u0[r][c], r = 16 wi + g + 8 (e >> 1), c = 8 nt + 2t + (e & 1): [4, 32, 4]."""
+    out = np.zeros((4, 32, 4))
     for nt in range(4):
-        for h in range(2):
-            r = wi * 16 + GQ + h * 8 if mutate != "u0_row" else wi * 16 + GQ + h * 4
-            c = nt * 8 + 2 * T4
-            out[nt, h] = np.stack([u0[r, c], u0[r, c + 1]], 1)
+        for e in range(4):
+            r = wi * 16 + GQ + (e >> 1) * (8 if mutate != "u0_row" else 4)
+            out[nt, :, e] = u0[r, nt * 8 + 2 * T4 + (e & 1)]
     return out
 
 
-def emu_u(KP, Wb, hw, u0, mutate=None):
-    """U = u0 - w h by warps 0..3 (rows 16 wi .., 32 columns), stored into row-pair words."""
-    Uw = new_words(C)
+def emu_u(KP, Wb, hw, u0, uhl, mutate=None):
+    """U = u0 - w h by warps 0..3 (rows 16 wi .., 32 columns), stored into row-pair words: [hi] or [hi, lo]."""
+    Uw = [new_words(C) for _ in range(2 if uhl else 1)]
     for wi in range(4):
         a0 = [np.zeros((32, 4)) for _ in range(4)]
         a1 = [np.zeros((32, 4)) for _ in range(4)]
@@ -133,10 +134,15 @@ def emu_u(KP, Wb, hw, u0, mutate=None):
                 a = afrag16(tile_lanes(Wb, KP, wi, jt[0]), tile_lanes(Wb, KP, wi, jt[1]), mutate)
                 for nt in range(4):
                     mma16(acc[nt], a, *b_words(hw, 0, ss, nt, mutate))
-        u0p = load_u0w(u0, wi, mutate)
+        u0w = load_u0w(u0, wi, mutate)
         for nt in range(4):
-            u = np.stack([u0p[nt, 0, :, 0], u0p[nt, 0, :, 1], u0p[nt, 1, :, 0], u0p[nt, 1, :, 1]], 1)
-            put_tile(Uw, wi * 16, nt * 8, u - (a0[nt] + a1[nt]), mutate)
+            u = u0w[nt] - (a0[nt] + a1[nt])
+            if uhl:
+                hi = 0.75 * u
+                put_tile(Uw[0], wi * 16, nt * 8, hi, mutate)
+                put_tile(Uw[1], wi * 16, nt * 8, u - hi if mutate != "lo_lost" else 0 * u, mutate)
+            else:
+                put_tile(Uw[0], wi * 16, nt * 8, u, mutate)
     return Uw
 
 
@@ -153,12 +159,13 @@ def emu_h(KP, Kb, dec, H, Uw, mutate=None):
             for nt in range(2):
                 hacc[mt][nt] = hacc[mt][nt] * np.stack([d0, d0, d1, d1], 1)
         for s in range(C // 16):
-            bs = [b_words(Uw, cw, s, nt, mutate) for nt in range(2)]
+            bs = [[b_words(Ux, cw, s, nt, mutate) for nt in range(2)] for Ux in Uw]
             for mt in range(MT):
                 a = afrag16(tile_lanes(Kb, C, wi * MT + mt, 2 * s), tile_lanes(Kb, C, wi * MT + mt, 2 * s + 1),
                             mutate)
                 for nt in range(2):
-                    mma16(hacc[mt][nt], a, *bs[nt])
+                    for bx in bs:  # hi, then lo (UHL)
+                        mma16(hacc[mt][nt], a, *bx[nt])
         for mt in range(MT):
             for nt in range(2):
                 r0, c0 = (wi * MT + mt) * 16, cw + nt * 8
@@ -182,7 +189,8 @@ def emu_o(KP, Qb, Ab, hw, Uw, mutate=None):
                     continue
                 a = afrag16(tile_lanes(Ab, C, wi, 2 * s), tile_lanes(Ab, C, wi, 2 * s + 1), mutate)
                 for nt in range(4):
-                    mma16(a1[nt], a, *b_words(Uw, 0, s, nt, mutate))
+                    for Ux in (Uw if mutate != "o_lo_skipped" else Uw[:1]):
+                        mma16(a1[nt], a, *b_words(Ux, 0, s, nt, mutate))
         for nt in range(4):
             sm = a0[nt] + a1[nt]
             for e in range(4):
@@ -202,7 +210,7 @@ def store_h(KP, H, mutate=None):
     return hw
 
 
-def run_step(KP, seed=0, mutate=None):
+def run_step(KP, seed=0, mutate=None, uhl=False):
     rng = np.random.default_rng(seed)
     W = rng.standard_normal((C, KP))
     H = rng.standard_normal((KP, 32))
@@ -213,8 +221,8 @@ def run_step(KP, seed=0, mutate=None):
     A = np.tril(rng.standard_normal((C, C)))  # A~: lower triangular (the 16 x 16 blocks above the diagonal are zero)
     Wb, Kb, Qb, Ab = ws_bf16_frags(W, KP), ws_bf16_frags(KT, C), ws_bf16_frags(Q, KP), ws_bf16_frags(A, C)
     hw = store_h(KP, H, mutate)
-    Uw = emu_u(KP, Wb, hw, u0, mutate)
-    U = words_to_matrix(Uw, C, 32)
+    Uw = emu_u(KP, Wb, hw, u0, uhl, mutate)
+    U = sum(words_to_matrix(Ux, C, 32) for Ux in Uw)
     Hn = emu_h(KP, Kb, dec, H, Uw, mutate)
     o = emu_o(KP, Qb, Ab, hw, Uw, mutate)
     U_ref = u0 - W @ H
@@ -226,9 +234,10 @@ def _ok(pair):
     return bool(np.isfinite(x).all() and np.allclose(x, ref, rtol=1e-10, atol=1e-9))
 
 
+@pytest.mark.parametrize("uhl", [False, True], ids=["uhl0", "uhl1"])
 @pytest.mark.parametrize("KP", [64, 128])
-def test_scan7_step_matches_float64(KP):
-    (u, h, o, hw) = run_step(KP)
+def test_scan7_step_matches_float64(KP, uhl):
+    (u, h, o, hw) = run_step(KP, uhl=uhl)
     assert _ok(u), "U = u0 - w h"
     assert _ok(h), "h <- Diag(decay) h + k~^T U"
     assert _ok(o), "o = q~ h + A~ U"
@@ -236,11 +245,11 @@ def test_scan7_step_matches_float64(KP):
 
 
 @pytest.mark.parametrize("mutate", ["prmt", "put_pair", "b1_offset", "u0_row", "tile_pair", "causal_short",
-                                    "causal_all"])
+                                    "causal_all", "lo_lost", "o_lo_skipped"])
 def test_scan7_mutations_fail(mutate):
     """Each deliberate index mutation breaks at least one product (causal_all: reads A~'s zero blocks past the
-    diagonal, exact -- it must NOT fail: the skip is only an optimisation)."""
-    u, h, o, _ = run_step(128, seed=1, mutate=mutate)
+    diagonal, exact -- it must NOT fail: the skip is only an optimisation). Run with UHL (the low words in use)."""
+    u, h, o, _ = run_step(128, seed=1, mutate=mutate, uhl=True)
     ok = _ok(u) and _ok(h) and _ok(o)
     if mutate == "causal_all":
         assert ok, "A~'s upper blocks are zero: reading them changes nothing"

@@ -30,9 +30,9 @@
 // / L1 wavefronts per chunk. Session 11 candidate call (one H200): scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
 // HV32; forward under graphs KDA 0.864 vs 0.912, GDN 0.546 vs 0.586 ms; varlen mix KDA 4.01 vs 4.08, GDN 2.68 vs
 // 2.80. 9 (its variant with the U and o chains split over warp pairs, 0.427 ms) was retired in the same session.
-// 10 (opt-in, session 12): delta_chunk_scan7_kernel (delta_chunk_scan7.cuh) where scan3 applies (scan7_applies),
-// else as 4: scan6's structure on bf16 m16n8k16 operands (w, u0 bf16 from the prep's WB instances; h_c / U_c bf16
-// in shared memory; the state fp32 in registers), flash-linear-attention's precision regime.
+// 10 / 11 (opt-in, session 12): delta_chunk_scan7_kernel<KP, false / true> (delta_chunk_scan7.cuh) where scan3
+// applies (scan7_applies), else as 4: scan6's structure on bf16 m16n8k16 operands (w bf16 from the prep's WB
+// instances, u0 fp32; h_c / U_c bf16 in shared memory, 11: U as bf16 hi + lo; the state fp32 in registers).
 #pragma once
 
 #include <vector>
@@ -78,7 +78,7 @@ void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// WB: w and u0 as bf16 for scan7 (scan7_applies)
+// WB: w as bf16 for scan7 (scan7_applies)
 template <int KP>
 void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
   if (wb) {
@@ -173,13 +173,14 @@ void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// scan7 (KDA_CUDA_CHUNK_SCAN=10, opt-in): scan6's grid, 12 warps, bf16 operands (delta_chunk_scan7.cuh), ~110 KB
-// of dynamic shared memory at KP = 128. Runs where scan7_applies, which the prep reads too: there it writes w and
-// u0 as bf16 (the prep kernels' WB instances) into the first half of their fp32 workspace sections.
-template <int KP>
+// scan7 (KDA_CUDA_CHUNK_SCAN=10 / 11: UHL false / true, opt-in): scan6's grid, 12 warps, bf16 operands
+// (delta_chunk_scan7.cuh), ~110 / 125 KB of dynamic shared memory at KP = 128. Runs where scan7_applies, which the
+// prep reads too: there it writes w as bf16 (the prep kernels' WB instances) into the first half of its fp32
+// workspace section.
+template <int KP, bool UHL>
 void launch_chunk_scan7(const ChunkFwdParams& p, cudaStream_t st) {
-  using S = Scan7Smem<KP>;
-  auto kern = delta_chunk_scan7_kernel<KP>;
+  using S = Scan7Smem<KP, UHL>;
+  auto kern = delta_chunk_scan7_kernel<KP, UHL>;
   allow_dynamic_smem(kern, S::bytes);
   TORCH_CHECK(p.ws_stride % 4 == 0, "scan7: workspace slices must be 16-byte aligned");
   const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
@@ -188,11 +189,12 @@ void launch_chunk_scan7(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Where scan7 runs (p.scan_ws == 3, set by KDA_CUDA_CHUNK_SCAN=10): the bulk-prefetch scans' range (bf16/fp16
-// inputs, bf16 workspace, V <= kScan3MaxV, sm_90+), as run_chunk_scan tests it. Elsewhere 10 runs as 4 and the prep
-// writes the fp32 w / u0 of the other scans.
+// Where scan7 runs (p.scan_ws == 3 / 4, set by KDA_CUDA_CHUNK_SCAN=10 / 11): the bulk-prefetch scans' range
+// (bf16/fp16 inputs, bf16 workspace, V <= kScan3MaxV, sm_90+), as run_chunk_scan tests it. Elsewhere 10 / 11 run as
+// 4 and the prep writes the fp32 w of the other scans.
 inline bool scan7_applies(const ChunkFwdParams& p) {
-  return p.scan_ws == 3 && p.scan3 && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9;
+  return (p.scan_ws == 3 || p.scan_ws == 4) && p.scan3 && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan3MaxV &&
+         cc_major() >= 9;
 }
 
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
@@ -214,7 +216,8 @@ template <int KP, bool PRECISE>
 void run_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   if (!PRECISE && p.scan3 && p.ws_bf16 && p.V <= kScan3MaxV && cc_major() >= 9) {  // the bulk-prefetch scan
     if constexpr (!PRECISE) {
-      if (p.scan_ws == 3) launch_chunk_scan7<KP>(p, st);  // = scan7_applies(p) here
+      if (p.scan_ws == 3) launch_chunk_scan7<KP, false>(p, st);  // scan_ws 3 / 4: scan7_applies(p) here
+      else if (p.scan_ws == 4) launch_chunk_scan7<KP, true>(p, st);
       else if (p.scan_ws == 2) launch_chunk_scan6<KP>(p, st);
       else if (p.scan_ws) launch_chunk_scan5<KP>(p, st);
       else launch_chunk_scan3<KP>(p, st);
@@ -362,9 +365,9 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = ((scan_mode >= 4 && scan_mode <= 8) || scan_mode == 10) ? 1 : 0;  // see the top of this file
+  p.scan3 = ((scan_mode >= 4 && scan_mode <= 8) || scan_mode == 10 || scan_mode == 11) ? 1 : 0;  // see the top of this file
   p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
-  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 10 ? 3 : 0;  // 10: scan7 (scan7_applies)
+  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 10 ? 3 : scan_mode == 11 ? 4 : 0;  // 10 / 11: scan7
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));

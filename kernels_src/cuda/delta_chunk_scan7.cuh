@@ -1,14 +1,14 @@
-// Warp-specialized chunked-forward scan on bf16 tensor-core operands: delta_chunk_scan7_kernel<KP>
-// (KDA_CUDA_CHUNK_SCAN=10, opt-in since session 12; the default stays scan6, 8).
+// Warp-specialized chunked-forward scan on bf16 tensor-core operands: delta_chunk_scan7_kernel<KP, UHL>
+// (KDA_CUDA_CHUNK_SCAN=10: UHL false, 11: UHL true; opt-in since session 12, the default stays scan6, 8).
 // Host: delta_chunk_fwd_host.cuh (run_chunk_scan, scan7_applies). Math and workspace: delta_chunk_fwd.cuh (WsLayout).
 //
 // Why: scan6 (delta_chunk_scan6.cuh) is bound by the SM's L1 / shared-memory data path (~80 % in Nsight Compute):
 // its w operand is fp32 (256 KP bytes a chunk through the bulk copy and again through the LDS), h_c and U_c are
 // fp32 (tf32-rounded) in shared memory and every B fragment is one 32-bit word per tf32 element. Here every
 // product is an m16n8k16 bf16 mma with fp32 accumulation -- the precision regime of flash-linear-attention, which
-// keeps w and u in the input dtype and casts h to bf16 for its dots -- while the state itself stays fp32 in the
-// recurrence warps' registers (the decay and k~^T U accumulate into fp32; only the operand copy of h that the dots
-// read is rounded to bf16; the final state comes from the fp32 registers):
+// keeps w in the input dtype and casts h and v_new (U) to bf16 for its dots -- while the state itself stays fp32
+// in the recurrence warps' registers (the decay and k~^T U accumulate into fp32; only the operand copy of h that the
+// dots read is rounded to bf16; the final state comes from the fp32 registers):
 //  - w (bf16, the prep's WB instance: gdn_chunk_prep2 / kda_chunk_prep2 via prep_w_u0) is half the bytes; q~, k~^T,
 //    A~ were bf16 already. All four stay in the workspace's bf16 fragment order (ws_put_frag: per 16 x 8 tile and
 //    lane one uint2 {(g, t), (g+8, t) | (g, t+4), (g+8, t+4)}); two adjacent tiles (k-columns 16 s .. 16 s + 15)
@@ -19,7 +19,13 @@
 //    (8 s + t, n0 + g) and b1 (8 s + 4 + t, n0 + g): one 32-bit load each, conflict-free with LDW = 40 (t LDW + g
 //    distinct mod 32). The accumulator tile of the writer (rows g, g + 8; columns 2t, 2t + 1) is exactly two such
 //    words, adjacent: one 8-byte store per tile, no shuffles (conflict-free too: 8 g + 2 t distinct per half warp).
-//  - u0 (bf16, row-major, the prep's WB instance) is read as bf16 pairs into registers a chunk ahead.
+//  - u0 stays fp32 (read a chunk ahead into registers, as scan6): U = u0 - w h cancels, and a CPU estimate of the
+//    rounding (benchmarks/cuda/scan7_accuracy_emu.py) puts most of the error this regime adds on u0 and U, little on
+//    w and h: correlated keys with slow gates over 32 chunks, o's error / 0.005 is ~0.63 with scan6's rounding,
+//    ~0.89 with u0, U, w, h all bf16, ~0.81 with u0 fp32 (this kernel, UHL false), ~0.64 with u0 fp32 and U as
+//    bf16 hi + lo (UHL true).
+//  - UHL (11): U goes into shared memory as hi = bf16(U) and lo = bf16(U - hi) words; k~^T U and A~ U run both (twice
+//    their mma and U reads: +~210 wavefronts and +~170 mma per chunk) -- U at ~16 mantissa bits, scan6's accuracy.
 // Wavefronts per (block, chunk) at KP = 128 (scan6: ~3.3 k): U 4 warps x 8 k-steps x (2 LDS.64 + 8 LDS.32) = 384
 // (768), h update 8 warps x 4 x (4 LDS.64 + 4 LDS.32) = 384 (512), output h 4 x 64 + U ~4 x 20 = ~340 (768),
 // h / U stores ~110 (~220), bulk copies 33 KB instead of 49 KB: ~1.5 k. Tensor instructions per chunk halve too.
@@ -28,8 +34,9 @@
 // 16 wc .. 16 wc + 15) + 4 output warps (16 rows x 32 columns each); operands bulk-copied two chunks ahead; h_c / U_c
 // in NB = 3 buffers handed over by full / empty mbarriers exactly as scan6. Kept (not re-split) because the grid at
 // the target shape (B1 HV32 V128: 128 blocks) is one wave on the H200's 132 SMs: two blocks per SM (which the
-// 110 KB of shared memory would allow) or 16-column blocks would double the per-SM work of some SMs or the w
-// traffic without shortening the serial chain; the gain has to come from a shorter chunk step.
+// ~110 KB of shared memory would allow, at <= 85 registers a thread) or 16-column blocks would not shorten a
+// block's serial chain; the gain has to come from a shorter chunk step. (U on 8 warps instead of 4 would not help
+// either: warps 0..3 sit on the 4 SM sub-partitions already, so their mma throughput bounds the U step.)
 // Emulated: tests/test_cuda_scan7_emu.py; tested: tests/test_cuda_scan7.py.
 #pragma once
 
@@ -43,7 +50,7 @@ constexpr int kScan7RecThreads = 256;
 constexpr int kScan7OutWarps = (kScan7Threads - kScan7RecThreads) / 32;
 constexpr int kScan7LDW = 40;  // 32-bit words per row pair of h_c / U_c (32 columns + 8: conflict-free)
 
-template <int KP>
+template <int KP, bool UHL>
 struct Scan7Smem {
   static constexpr int NB = 3;  // h_c / U_c buffers
   static constexpr int BV = 32;
@@ -53,7 +60,8 @@ struct Scan7Smem {
   static constexpr uint32_t dec_bytes = KP * 4;
   static constexpr uint32_t region = w_bytes + kg_bytes + dec_bytes;  // one operand buffer: w | k~^T | decay
   static constexpr int hs_words = KP / 2 * LDW;
-  static constexpr int us_words = kChunk / 2 * LDW;
+  static constexpr int us_lo = kChunk / 2 * LDW;  // UHL: U's low words after its high words
+  static constexpr int us_words = (UHL ? 2 : 1) * us_lo;
   static constexpr size_t hs_off = 2 * static_cast<size_t>(region);
   static constexpr size_t us_off = hs_off + sizeof(uint32_t) * NB * hs_words;
   static constexpr size_t bar_off = us_off + sizeof(uint32_t) * NB * us_words;
@@ -71,8 +79,6 @@ __device__ __forceinline__ uint32_t s7_pack(float lo, float hi) {
   const __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&t);
 }
-__device__ __forceinline__ float s7_lo(uint32_t x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float s7_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
 
 // The m16n8k16 A fragment of k-columns 16 s .. 16 s + 15 from the workspace's bf16 fragments u (8-column tile 2 s)
 // and v (tile 2 s + 1) of the same lane, under scan7's k order (top of this file).
@@ -106,9 +112,21 @@ __device__ __forceinline__ void s7_put_tile(uint32_t* Mw, int r0, int c0, const 
       make_uint2(s7_pack(c[0], c[2]), s7_pack(c[1], c[3]));
 }
 
+// The same for U with UHL: bf16(x) into Mw and bf16(x - bf16(x)) into Mw + lo (the low words).
+__device__ __forceinline__ void s7_put_tile_hl(uint32_t* Mw, int lo, int r0, int c0, const float (&c)[4], int t4,
+                                               int gq) {
+  const __nv_bfloat162 h02 = __floats2bfloat162_rn(c[0], c[2]), h13 = __floats2bfloat162_rn(c[1], c[3]);
+  const int i = (r0 / 2 + gq) * kScan7LDW + c0 + 2 * t4;
+  *reinterpret_cast<uint2*>(Mw + i) =
+      make_uint2(*reinterpret_cast<const uint32_t*>(&h02), *reinterpret_cast<const uint32_t*>(&h13));
+  *reinterpret_cast<uint2*>(Mw + lo + i) =
+      make_uint2(s7_pack(c[0] - __low2float(h02), c[2] - __high2float(h02)),
+                 s7_pack(c[1] - __low2float(h13), c[3] - __high2float(h13)));
+}
+
 // The recurrence warps of scan7 (warp w = 4 wc + wi): h rows [wi KP/4, (wi+1) KP/4) x columns cw .. cw + 15 in fp32
 // registers (ScanRec's ownership), U rows 16 wi .. 16 wi + 15 x all 32 columns by warps 0..3.
-template <int KP>
+template <int KP, bool UHL>
 struct ScanRec7 {
   static constexpr int BV = 32;
   static constexpr int WC = BV / 2;   // h columns per warp
@@ -117,7 +135,7 @@ struct ScanRec7 {
   static constexpr int MT = KP / 64;  // 16-row tiles of h per warp
   int lane, wi, cw, gq, t4;
   float hacc[MT][NT][4];
-  uint32_t u0p[NTU][2];  // u0 (bf16 pairs): rows r, r + 8 (r = 16 wi + g), columns 2t, 2t + 1 of each tile
+  float u0w[NTU][4];     // u0 (fp32) of this warp's U rows, all 32 columns (warps 0..3)
 
   __device__ __forceinline__ ScanRec7(int tid) {
     lane = tid & 31;
@@ -159,26 +177,19 @@ struct ScanRec7 {
           if (r < p.K && c < p.V) p.ht[sbase + static_cast<int64_t>(r) * p.V + c] = hacc[mt][nt][e];
         }
   }
-  // u0 of a chunk (bf16 row-major at WL.u of its workspace slice ws), 32 columns from v0
+  // u0 of a chunk (fp32 row-major at WL.u of its workspace slice ws), 32 columns from v0 (as scan6)
   __device__ __forceinline__ void load_u0w(const float* ws, const WsLayout<KP>& WL, int v0, int V) {
-    const unsigned short* u = reinterpret_cast<const unsigned short*>(ws + WL.u);
-    const bool even = (V & 1) == 0;
 #pragma unroll
     for (int nt = 0; nt < NTU; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wi * 16 + gq + h * 8;
-        const int c = v0 + nt * 8 + 2 * t4;
-        const int64_t i = static_cast<int64_t>(r) * V + c;
-        if (even) {  // i even: one 4-byte load (c < V means c + 1 < V)
-          u0p[nt][h] = c < V ? __ldg(reinterpret_cast<const unsigned int*>(u) + (i >> 1)) : 0u;
-        } else {
-          const uint32_t lo = c < V ? __ldg(u + i) : 0u, hi = c + 1 < V ? __ldg(u + i + 1) : 0u;
-          u0p[nt][h] = lo | (hi << 16);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int r = wi * 16 + gq + (e >> 1) * 8;
+        const int c = v0 + nt * 8 + 2 * t4 + (e & 1);
+        u0w[nt][e] = c < V ? __ldg(ws + WL.u + r * V + c) : 0.f;
       }
   }
-  // U = u0 - w h (rows 16 wi .., all 32 columns; chains a0 / a1 over the even / odd k-steps) -> bf16 into Uw
+  // U = u0 - w h (rows 16 wi .., all 32 columns; chains a0 / a1 over the even / odd k-steps) -> bf16 into Uw (UHL:
+  // and the low parts into Uw + us_lo)
   __device__ __forceinline__ void u_step_store(const unsigned char* buf, const uint32_t* hw, uint32_t* Uw) const {
     const uint2* sw = reinterpret_cast<const uint2*>(buf) + wi * (KP / 8) * 32 + lane;  // bf16 fragments
     float a0[NTU][4], a1[NTU][4];
@@ -197,16 +208,16 @@ struct ScanRec7 {
 #pragma unroll
     for (int nt = 0; nt < NTU; ++nt) {
       float u[4];
-      u[0] = s7_lo(u0p[nt][0]) - (a0[nt][0] + a1[nt][0]);
-      u[1] = s7_hi(u0p[nt][0]) - (a0[nt][1] + a1[nt][1]);
-      u[2] = s7_lo(u0p[nt][1]) - (a0[nt][2] + a1[nt][2]);
-      u[3] = s7_hi(u0p[nt][1]) - (a0[nt][3] + a1[nt][3]);
-      s7_put_tile(Uw, wi * 16, nt * 8, u, t4, gq);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) u[e] = u0w[nt][e] - (a0[nt][e] + a1[nt][e]);
+      if constexpr (UHL) s7_put_tile_hl(Uw, Scan7Smem<KP, UHL>::us_lo, wi * 16, nt * 8, u, t4, gq);
+      else s7_put_tile(Uw, wi * 16, nt * 8, u, t4, gq);
     }
   }
-  // h <- Diag(decay) h + k~^T U (Uw: the whole chunk's U); U's B words loaded once for both row tiles
+  // h <- Diag(decay) h + k~^T U (Uw: the whole chunk's U; UHL: + k~^T U_lo after k~^T U_hi at every k-step); U's B
+  // words loaded once for both row tiles
   __device__ __forceinline__ void h_step(const unsigned char* buf, const uint32_t* Uw) {
-    using S = Scan7Smem<KP>;
+    using S = Scan7Smem<KP, UHL>;
     const uint2* sk = reinterpret_cast<const uint2*>(buf + S::w_bytes) + wi * MT * (kChunk / 8) * 32 + lane;
     const float* sd = reinterpret_cast<const float*>(buf + S::w_bytes + S::kg_bytes);
 #pragma unroll
@@ -223,18 +234,25 @@ struct ScanRec7 {
     const uint32_t* ub = Uw + cw;
 #pragma unroll
     for (int s = 0; s < kChunk / 16; ++s) {
-      uint32_t b0[NT], b1[NT];
+      uint32_t b0[NT], b1[NT], l0[NT], l1[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         b0[nt] = ub[(8 * s + t4) * kScan7LDW + nt * 8 + gq];
         b1[nt] = ub[(8 * s + 4 + t4) * kScan7LDW + nt * 8 + gq];
+        if constexpr (UHL) {
+          l0[nt] = ub[S::us_lo + (8 * s + t4) * kScan7LDW + nt * 8 + gq];
+          l1[nt] = ub[S::us_lo + (8 * s + 4 + t4) * kScan7LDW + nt * 8 + gq];
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         uint32_t a[4];
         afrag16(sk[(mt * (kChunk / 8) + 2 * s) * 32], sk[(mt * (kChunk / 8) + 2 * s + 1) * 32], a);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_bf16_k16(hacc[mt][nt], a, b0[nt], b1[nt]);
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_bf16_k16(hacc[mt][nt], a, b0[nt], b1[nt]);
+          if constexpr (UHL) mma_bf16_k16(hacc[mt][nt], a, l0[nt], l1[nt]);
+        }
       }
     }
   }
@@ -242,9 +260,9 @@ struct ScanRec7 {
 
 // One thread: the recurrence's operands of a chunk (w bf16, k~^T bf16, decay fp32; src its workspace slice) into
 // the shared region dst, complete_tx on bar (armed by the caller with Scan7Smem::region bytes).
-template <int KP>
+template <int KP, bool UHL>
 __device__ __forceinline__ void scan7_issue(uint32_t dst, const float* ws, const WsLayout<KP>& WL, uint32_t bar) {
-  using S = Scan7Smem<KP>;
+  using S = Scan7Smem<KP, UHL>;
   constexpr uint32_t kBulkMax = 16384;
   const char* src = reinterpret_cast<const char*>(ws);
   for (uint32_t b = 0; b < S::w_bytes; b += kBulkMax)
@@ -255,11 +273,11 @@ __device__ __forceinline__ void scan7_issue(uint32_t dst, const float* ws, const
 }
 #endif  // __CUDA_ARCH__ >= 900
 
-template <int KP>
+template <int KP, bool UHL>
 __global__ void __launch_bounds__(kScan7Threads, 1) delta_chunk_scan7_kernel(const ChunkFwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using S = Scan7Smem<KP>;
-  using R = ScanRec7<KP>;
+  using S = Scan7Smem<KP, UHL>;
+  using R = ScanRec7<KP, UHL>;
   constexpr int NB = S::NB;
   constexpr uint32_t RB = S::region;
   const WsLayout<KP> WL(true);
@@ -304,7 +322,7 @@ __global__ void __launch_bounds__(kScan7Threads, 1) delta_chunk_scan7_kernel(con
     rec.store_h(hw0);  // h_0 in buffer 0 (the output warps see it through full[0])
     rec_sync();        // hw complete
     auto issue = [&](int ci) {
-      scan7_issue<KP>(smem_u32(smem7 + (ci & 1) * RB), chunk_ws(ci), WL, opbar + 8 * (ci & 1));
+      scan7_issue<KP, UHL>(smem_u32(smem7 + (ci & 1) * RB), chunk_ws(ci), WL, opbar + 8 * (ci & 1));
     };
     if (tid == 0) {
       if (nch > 0) issue(0);
@@ -380,6 +398,7 @@ __global__ void __launch_bounds__(kScan7Threads, 1) delta_chunk_scan7_kernel(con
           uint32_t a[4];
           afrag16(af[2 * s], af[2 * s + 1], a);
           mma_tiles16(a1, a, Uw, s, t4, gq);
+          if constexpr (UHL) mma_tiles16(a1, a, Uw + S::us_lo, s, t4, gq);
         }
       __syncwarp();
       if (lane == 0) mbar_arrive(emptybar + 8 * b);  // this warp is done reading h_c and U_c

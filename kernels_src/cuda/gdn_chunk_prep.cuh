@@ -126,19 +126,6 @@ __device__ __forceinline__ void ws_put_frag(float* sec, int i, bool half, float4
   }
 }
 
-// u0 elements i, i + 1 (columns c, c + 1 of a row; the second only when c + 1 < V) as bf16 into the first half of
-// the fp32 section sec (the WB instances of the preps, for scan7). v2: V even, so i is even and c < V means
-// c + 1 < V: one 4-byte store.
-__device__ __forceinline__ void prep_put_u0_bf16(float* sec, int64_t i, int c, int V, bool v2, float x, float y) {
-  __nv_bfloat16* u = reinterpret_cast<__nv_bfloat16*>(sec);
-  if (v2) {
-    if (c < V) reinterpret_cast<__nv_bfloat162*>(u)[i >> 1] = __floats2bfloat162_rn(x, y);
-  } else {
-    if (c < V) u[i] = __float2bfloat16_rn(x);
-    if (c + 1 < V) u[i + 1] = __float2bfloat16_rn(y);
-  }
-}
-
 // Rows [0, 64) x columns [0, W) of a 16-bit shared tile (row stride ld) from src (row t at src + t * rs), zero
 // outside rows < L and columns < ncol. vec: 16-byte cp.async (src 16-byte aligned, rs and ncol multiples of 8);
 // otherwise element loads.
@@ -304,8 +291,8 @@ __device__ __forceinline__ void prep_inverse_sub2(const float* Ab, float* Ts, fl
 // output columns, row block a over the k-blocks 0..a only. Vs (row stride kPrepLDV) holds v's columns [0, 128) on
 // entry; V > 128 restages the next 128 columns from vg (row t at vg + t * HV * V) between block barriers, so every
 // thread must call this.
-// WB (scan7, KDA_CUDA_CHUNK_SCAN=10): w as bf16 in the fragment order of the bf16 sections (ws_put_frag) and u0
-// as bf16 row-major, each in the first half of its fp32 section (delta_chunk_scan7.cuh); the products are the same.
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w as bf16 in the fragment order of the bf16 sections (ws_put_frag), in
+// the first half of its fp32 section (delta_chunk_scan7.cuh); u0 and the products as before.
 template <int KP, typename T16, bool WB = false, typename XW>
 __device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
                                           uint16_t* Vs, const uint16_t* vg, int L, bool vec_v, int tid, XW xw) {
@@ -353,15 +340,6 @@ __device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, co
           if constexpr (WB) ws_put_frag(ws + WL.w, (a * ntw + job) * 32 + lane, true, acc_to_afrag(acc[a], lane));
           else reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
         }
-      } else if constexpr (WB) {
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int r = a * kSub + gq + 8 * hr, c = v0 + n0 + 2 * t4;
-            prep_put_u0_bf16(ws + WL.u, static_cast<int64_t>(r) * V + c, c, V, (V & 1) == 0, acc[a][2 * hr],
-                             acc[a][2 * hr + 1]);
-          }
       } else {
 #pragma unroll
         for (int a = 0; a < 4; ++a)

@@ -159,8 +159,8 @@ __device__ __forceinline__ void prep2_round_t(float* Ts, int tid) {
 // jobs (j0, j0 + 1) per warp. The w jobs come first and number KP / 8 (even), so a pair never mixes w and u0; an
 // odd last u0 job computes a discarded partner from staged (zero or in-bounds) columns. V > 128 restages the next
 // 128 columns of v between block barriers.
-// WB (scan7, KDA_CUDA_CHUNK_SCAN=10): w as bf16 in the fragment order of the bf16 sections (ws_put_frag) and u0 as
-// bf16 row-major, each in the first half of its fp32 section (delta_chunk_scan7.cuh); the products are the same.
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w as bf16 in the fragment order of the bf16 sections (ws_put_frag), in the
+// first half of its fp32 section (delta_chunk_scan7.cuh); u0 and the products as before.
 template <int KP, typename T16, bool WB = false>
 __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
                                            uint16_t* Vs, const uint16_t* Ks, const float* Ea, const uint16_t* vg,
@@ -221,16 +221,6 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
             float4* wf = reinterpret_cast<float4*>(ws + WL.w);
             wf[(a * ntw + j0) * 32 + lane] = acc_to_afrag(acc[0], lane);
             wf[(a * ntw + j0 + 1) * 32 + lane] = acc_to_afrag(acc[1], lane);  // ntw even: j0 + 1 < ntw
-          }
-        } else if constexpr (WB) {
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            if (jj == 1 && !two) break;
-            const int c = v0 + n0 + 8 * jj + 2 * t4;
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr)
-              prep_put_u0_bf16(ws + WL.u, static_cast<int64_t>(a * kSub + gq + 8 * hr) * V + c, c, V, v2,
-                               acc[jj][2 * hr], acc[jj][2 * hr + 1]);
           }
         } else {
 #pragma unroll

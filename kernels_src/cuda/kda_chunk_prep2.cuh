@@ -101,7 +101,7 @@ struct KdaPrep2Smem {
 };
 
 // Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
-// WB (scan7, KDA_CUDA_CHUNK_SCAN=10): w and u0 go out as bf16 (prep_w_u0).
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w goes out as bf16 (prep_w_u0).
 template <int KP, typename T16, bool WB = false>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
