@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""CPU estimate (no GPU) of the forward's error against float64 under scan6's operand rounding (w, u0 fp32 read as
-tf32 at the dots, h_c / U_c tf32, q~ / k~^T / A~ bf16) and scan7's (w, u0, h_c, U_c, q~, k~^T, A~ bf16), the
+"""CPU estimate (no GPU) of the forward's error against float64 under the operand roundings of scan6 (w, u0 fp32,
+w read as tf32 at the dots, h_c / U_c tf32, q~ / k~^T / A~ bf16), of flash-linear-attention's regime (all bf16: "fla"),
+of scan7 under KDA_CUDA_CHUNK_SCAN=10 (all bf16 but u0 fp32) and under 11 (U also as bf16 hi + lo), the
 rest exact (float64 accumulation, the state float64 between chunks; the prep's w / u0 products on tf32 operands
 as its S5, its other values exact): the relative RMS
 error (DESIGN.md section 6's metric) of o (rounded to the input dtype) and of the final state, per case, against
@@ -37,10 +38,18 @@ def ident(x):
     return x
 
 
+def bf16_hl(x):
+    """bf16 hi + bf16 lo (scan7's UHL)."""
+    hi = bf16(x)
+    return hi + bf16(x - hi)
+
+
 MODES = {
     "exact": dict(w=ident, u0=ident, qa=ident, h=ident, U=ident),
     "scan6": dict(w=lambda x: tf32(f32(x)), u0=f32, qa=bf16, h=tf32, U=tf32),
-    "scan7": dict(w=bf16, u0=bf16, qa=bf16, h=bf16, U=bf16),
+    "fla": dict(w=bf16, u0=bf16, qa=bf16, h=bf16, U=bf16),
+    "scan7_10": dict(w=bf16, u0=f32, qa=bf16, h=bf16, U=bf16),
+    "scan7_11": dict(w=bf16, u0=f32, qa=bf16, h=bf16, U=bf16_hl),
 }
 
 
@@ -114,7 +123,9 @@ CASES = {
 def main():
     torch.set_num_threads(1)
     only = sys.argv[1:]
-    print(f"{'case':32s} {'fam':4s} {'dt':5s} | error / {TOL}: o scan6  o scan7 | state scan6  state scan7")
+    ms = ("scan6", "fla", "scan7_10", "scan7_11")
+    print(f"{'case':26s} {'fam':4s} {'dt':4s} | error / {TOL}, o: " + " ".join(f"{m:>8s}" for m in ms) +
+          " | state: " + " ".join(f"{m:>8s}" for m in ms))
     for name, spec in CASES.items():
         if only and name not in only:
             continue
@@ -125,11 +136,13 @@ def main():
                 q, k, v, g, beta, h0 = make(family, K=128, V=128, seed=3, dtype=dt, **spec)
                 ro, rh = chunked(q, k, v, g, beta, 128 ** -0.5, h0, "exact")
                 res = {}
-                for m in ("scan6", "scan7"):
+                for m in ms:
                     o, h = chunked(q, k, v, g, beta, 128 ** -0.5, h0, m)
                     res[m] = (rel(ro, o.to(dt).double()), rel(rh, h.float().double()))
-                print(f"{name:32s} {family:4s} {str(dt)[6:]:5s} | {res['scan6'][0] / TOL:12.2f} {res['scan7'][0] / TOL:8.2f} "
-                      f"| {res['scan6'][1] / TOL:11.2f} {res['scan7'][1] / TOL:11.2f}", flush=True)
+                dts = "bf16" if dt == torch.bfloat16 else "fp16"
+                print(f"{name:26s} {family:4s} {dts:4s} |                " +
+                      " ".join(f"{res[m][0] / TOL:8.2f}" for m in ms) + " |        " +
+                      " ".join(f"{res[m][1] / TOL:8.2f}" for m in ms), flush=True)
 
 
 if __name__ == "__main__":
