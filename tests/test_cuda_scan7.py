@@ -7,8 +7,8 @@ for comparison; knob values set explicitly.
 scan7 rounds w and the operand copies of h_c / U_c to bf16 (flash-linear-attention's regime; u0 and the state stay
 fp32), so it is NOT bit-equal to scan6: each case checks 10 and 11 against the reference, and records the error
 ratios (error / tolerance) of 10, 11 and 8 -- printed, and appended to the file $SCAN7_ERRS when set -- so the
-margin can be read off (benchmarks/cuda/scan7_accuracy_emu.py is the CPU estimate they can be compared with). Cases: tests/test_cuda_chunk_fwd.py's CASES (random and correlated keys, gates
-logsigmoid(randn)/{0.1, 1, 10}, extreme gates (30 % at -20, some at -1e4), T 1 / 63 / 65 / 200 / 2048, varlen with
+margin can be read off (benchmarks/cuda/scan7_accuracy_emu.py is the CPU estimate they can be compared with).
+Cases: tests/test_cuda_chunk_fwd.py's CASES (random and correlated keys, gates logsigmoid(randn)/{0.1, 1, 10}, extreme gates (30 % at -20, some at -1e4), T 1 / 63 / 65 / 200 / 2048, varlen with
 empty sequences, GVA, initial state, K=V=64, odd K / V, V = 80 / 200 / 256 / 37), both families, bf16 and fp16; long
 runs of 64 and 128 chunks against the reference with a repeat call (same bits); a varlen mix with empty sequences;
 a CUDA graph replay; the staged forward (kda/gdn_chunk_fwd_stage) under 10; fp32 inputs and the fp32 workspace
@@ -97,7 +97,7 @@ def test_scan7_long(family, shape, dtype, monkeypatch):
         out[m] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
         if m != OLD:
             ob, sb = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-            assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m} gave other bits"
+            assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m}: other bits"
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=K ** -0.5, initial_state=h0.cpu())
     tol = TOL[dtype]
     lab = f"{family} long_{'x'.join(map(str, shape[:6]))}_{keys} {str(dtype)[6:]}"

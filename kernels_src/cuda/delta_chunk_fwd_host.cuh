@@ -365,9 +365,10 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
   const int scan_mode = static_cast<int>(cfg[1]);
   max_chunks = cfg[2];
   p.ws_stride = KP == 64 ? WsLayout<64>(p.ws_bf16 != 0).floats(s.V) : WsLayout<128>(p.ws_bf16 != 0).floats(s.V);
-  p.scan3 = ((scan_mode >= 4 && scan_mode <= 8) || scan_mode == 10 || scan_mode == 11) ? 1 : 0;  // see the top of this file
+  // see the top of this file (10 / 11: scan7)
+  p.scan3 = ((scan_mode >= 4 && scan_mode <= 8) || scan_mode == 10 || scan_mode == 11) ? 1 : 0;
   p.scan_split = scan_mode == 5 ? 1 : scan_mode == 6 ? 2 : 0;
-  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 10 ? 3 : scan_mode == 11 ? 4 : 0;  // 10 / 11: scan7
+  p.scan_ws = scan_mode == 7 ? 1 : scan_mode == 8 ? 2 : scan_mode == 10 ? 3 : scan_mode == 11 ? 4 : 0;
   if (fresh) {
     work[kFwdWs] = at::empty({std::max<int64_t>(max_chunks * s.HV * p.ws_stride, 1)}, f32);
     work[kFwdMap] = at::empty({cu.has_value() ? s.N + 1 + max_chunks : 1}, q.options().dtype(at::kInt));
