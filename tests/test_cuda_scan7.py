@@ -8,12 +8,14 @@ scan7 rounds w and the operand copies of h_c / U_c to bf16 (flash-linear-attenti
 fp32), so it is NOT bit-equal to scan6: each case checks 10 and 11 against the reference, and records the error
 ratios (error / tolerance) of 10, 11 and 8 -- printed, and appended to the file $SCAN7_ERRS when set -- so the
 margin can be read off (benchmarks/cuda/scan7_accuracy_emu.py is the CPU estimate they can be compared with).
-Cases: tests/test_cuda_chunk_fwd.py's CASES (random and correlated keys, gates logsigmoid(randn)/{0.1, 1, 10}, extreme gates (30 % at -20, some at -1e4), T 1 / 63 / 65 / 200 / 2048, varlen with
-empty sequences, GVA, initial state, K=V=64, odd K / V, V = 80 / 200 / 256 / 37), both families, bf16 and fp16; long
-runs of 64 and 128 chunks against the reference with a repeat call (same bits); a varlen mix with empty sequences;
-a CUDA graph replay; the staged forward (kda/gdn_chunk_fwd_stage) under 10; fp32 inputs and the fp32 workspace
-(KDA_CUDA_CHUNK_WS_BF16=0), which fall back to the single kernel (bit-equal to 8 there); and that 10 runs scan7 and
-the WB preps. The index math is emulated on the CPU by tests/test_cuda_scan7_emu.py. Needs a CUDA GPU.
+Cases: tests/test_cuda_chunk_fwd.py's CASES (random and correlated keys, gates logsigmoid(randn)/{0.1, 1, 10},
+extreme gates (30 % at -20, some at -1e4), T 1 / 63 / 65 / 200 / 2048, varlen with empty sequences, GVA, initial
+state, K=V=64, odd K / V, V = 80 / 200 / 256 / 37), both families, bf16 and fp16; long runs of 64 and 128 chunks
+(slow gates; one with correlated keys) against the reference with a repeat call (same bits); a varlen mix with empty
+sequences; a CUDA graph replay; the staged forward (kda/gdn_chunk_fwd_stage) under 10 / 11; fp32 inputs and the
+fp32 workspace (KDA_CUDA_CHUNK_WS_BF16=0), which fall back to the single kernel (bit-equal to 8 there); and that 10 /
+11 run scan7 and the WB preps. The index math is emulated on the CPU by tests/test_cuda_scan7_emu.py. Needs a CUDA
+GPU.
 """
 import functools
 import os
