@@ -136,6 +136,7 @@ struct ScanRec7 {
   int lane, wi, cw, gq, t4;
   float hacc[MT][NT][4];
   float u0w[NTU][4];     // u0 (fp32) of this warp's U rows, all 32 columns (warps 0..3)
+  uint32_t kfr[MT][kChunk / 16][4];  // this chunk's k~^T A fragments of this warp's h rows (h_pre)
 
   __device__ __forceinline__ ScanRec7(int tid) {
     lane = tid & 31;
@@ -214,11 +215,16 @@ struct ScanRec7 {
       else s7_put_tile(Uw, wi * 16, nt * 8, u, t4, gq);
     }
   }
-  // h <- Diag(decay) h + k~^T U (Uw: the whole chunk's U; UHL: + k~^T U_lo after k~^T U_hi at every k-step); U's B
-  // words loaded once for both row tiles
-  __device__ __forceinline__ void h_step(const unsigned char* buf, const uint32_t* Uw) {
+  // The part of the h update that does not need U, done before the barrier that completes U: h <- Diag(decay) h and
+  // this warp's k~^T A fragments into kfr (buf: the chunk's operand buffer).
+  __device__ __forceinline__ void h_pre(const unsigned char* buf) {
     using S = Scan7Smem<KP, UHL>;
     const uint2* sk = reinterpret_cast<const uint2*>(buf + S::w_bytes) + wi * MT * (kChunk / 8) * 32 + lane;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int s = 0; s < kChunk / 16; ++s)
+        afrag16(sk[(mt * (kChunk / 8) + 2 * s) * 32], sk[(mt * (kChunk / 8) + 2 * s + 1) * 32], kfr[mt][s]);
     const float* sd = reinterpret_cast<const float*>(buf + S::w_bytes + S::kg_bytes);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -231,6 +237,11 @@ struct ScanRec7 {
         hacc[mt][nt][3] *= d1;
       }
     }
+  }
+  // h += k~^T U (after h_pre; Uw: the whole chunk's U; UHL: + k~^T U_lo after k~^T U_hi at every k-step); U's B
+  // words loaded once for both row tiles
+  __device__ __forceinline__ void h_step(const uint32_t* Uw) {
+    using S = Scan7Smem<KP, UHL>;
     const uint32_t* ub = Uw + cw;
 #pragma unroll
     for (int s = 0; s < kChunk / 16; ++s) {
@@ -245,15 +256,12 @@ struct ScanRec7 {
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint32_t a[4];
-        afrag16(sk[(mt * (kChunk / 8) + 2 * s) * 32], sk[(mt * (kChunk / 8) + 2 * s + 1) * 32], a);
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          mma_bf16_k16(hacc[mt][nt], a, b0[nt], b1[nt]);
-          if constexpr (UHL) mma_bf16_k16(hacc[mt][nt], a, l0[nt], l1[nt]);
+          mma_bf16_k16(hacc[mt][nt], kfr[mt][s], b0[nt], b1[nt]);
+          if constexpr (UHL) mma_bf16_k16(hacc[mt][nt], kfr[mt][s], l0[nt], l1[nt]);
         }
-      }
     }
   }
 };
@@ -337,6 +345,7 @@ __global__ void __launch_bounds__(kScan7Threads, 1) delta_chunk_scan7_kernel(con
       // this warp's part of h_c was written before the last rec_sync; U_c's writers arrive once it is final
       if (!ufin && rec.lane == 0) mbar_arrive(fullbar + 8 * b);
       mbar_wait_parity(opbar + 8 * (ci & 1), (ci >> 1) & 1);
+      rec.h_pre(buf);  // decay and k~^T fragments: warps 4..7 meanwhile warps 0..3 form U
       if (ufin) {
         rec.u_step_store(buf, hw, Uw);
         __syncwarp();
@@ -344,7 +353,7 @@ __global__ void __launch_bounds__(kScan7Threads, 1) delta_chunk_scan7_kernel(con
         if (ci + 1 < nch) rec.load_u0w(chunk_ws(ci + 1), WL, v0, V);
       }
       rec_sync();  // Uw complete
-      rec.h_step(buf, Uw);  // h <- Diag(decay) h + k~^T U
+      rec.h_step(Uw);  // h += k~^T U
       if (ci + 1 < nch) {
         const int nb = (ci + 1) % NB;
         // buffer nb last held chunk ci + 1 - NB: wait until the output warps are done with it
