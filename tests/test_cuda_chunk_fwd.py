@@ -289,7 +289,8 @@ def test_accepted_fwd_knob_values_run(family, monkeypatch):
             monkeypatch.delenv(key)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=None)
-    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "16"},
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "10"}, {"KDA_CUDA_CHUNK_SCAN": "11"},
+                {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "16"},
                 {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "0"}, {"KDA_CUDA_CHUNK_WS_BF16": "0"},
                 {"KDA_CUDA_CHUNK_FWD": "0"}):
         for key, val in env.items():

@@ -22,12 +22,16 @@
 // KDA_CUDA_SCAN3_BV, its column width, is no longer read), 5 / 6 (the split forward delta_chunk_scan4_kernel +
 // delta_chunk_out_kernel, fp32 / bf16 h_c and U_c: 0.30 / 0.32 + 0.22 / 0.15 ms, session 8) and 7 (the warp-specialized scan5 delta_chunk_scan5_kernel,
 // 0.350 ms, the default in sessions 9 and 10; scan6 is its products in its order, bit-identical).
+// 10 / 11 (opt-in, session 12): delta_chunk_scan7_kernel<KP, false / true> (delta_chunk_scan7.cuh) where scan6
+// applies (scan7_applies), else the single kernel: scan6's structure on bf16 m16n8k16 operands (w bf16 from the
+// prep's WB instances, u0 fp32; h_c / U_c bf16 in shared memory, 11: U as bf16 hi + lo; the state fp32 in registers).
 #pragma once
 
 #include <vector>
 
 #include "delta_chunk_fwd.cuh"
 #include "delta_chunk_scan6.cuh"
+#include "delta_chunk_scan7.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
 #include "kda_chunk_prep2.cuh"
@@ -36,9 +40,9 @@
 namespace kda_kernels {
 namespace cuda {
 
-// KDA_CUDA_CHUNK_SCAN's accepted values (0: unset, runs 8; 1: the single kernel; 8: scan6; see the top of this
+// KDA_CUDA_CHUNK_SCAN's accepted values (0: unset, runs 8; 1: the single kernel; 8: scan6; 10 / 11: scan7, opt-in; see the top of this
 // file). A new scan: add its value here and its launch in run_chunk_scan.
-constexpr int kChunkScanModes[] = {0, 1, 8};
+constexpr int kChunkScanModes[] = {0, 1, 8, 10, 11};
 
 // (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
 inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
@@ -58,37 +62,48 @@ void launch_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st)
 // GDN, bf16/fp16 inputs: gdn_chunk_prep2_kernel (gdn_chunk_prep2.cuh; the default since session 10: the workspace
 // of delta_chunk_prep_kernel<false, KP, false>, 69 KB of shared memory and <= 80 registers for three blocks per SM;
 // the largest carveout for them).
-template <int KP, typename T16>
+template <int KP, typename T16, bool WB>
 void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = GdnPrep2Smem<KP>::bytes;
-  auto kern = gdn_chunk_prep2_kernel<KP, T16>;
+  auto kern = gdn_chunk_prep2_kernel<KP, T16, WB>;
   allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// WB: w as bf16 for scan7 (scan7_applies)
 template <int KP>
-void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
-  else launch_gdn_prep2_t<KP, __half>(p, max_chunks, st);
+void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
+  if (wb) {
+    if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
+    else launch_gdn_prep2_t<KP, __half, true>(p, max_chunks, st);
+  } else {
+    if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
+    else launch_gdn_prep2_t<KP, __half, false>(p, max_chunks, st);
+  }
 }
 
 // KDA, bf16/fp16 inputs: kda_chunk_prep2_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>; gate
 // factors as products of e^{g_i} within a sub-chunk) with its 8x8 split of the diagonal blocks (the instance
 // without, KDA_CUDA_KDA_PREP=2, was retired in session 11).
-template <int KP, typename T16>
+template <int KP, typename T16, bool WB>
 void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = KdaPrep2Smem<KP>::bytes;
-  auto kern = kda_chunk_prep2_kernel<KP, T16>;
+  auto kern = kda_chunk_prep2_kernel<KP, T16, WB>;
   allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int KP>
-void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
-  if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16>(p, max_chunks, st);
-  else launch_kda_prep2_t<KP, __half>(p, max_chunks, st);
+void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
+  if (wb) {
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
+  } else {
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
+  }
 }
 
 template <int KP, int BV, bool PRECISE>
@@ -117,15 +132,38 @@ void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// scan7 (KDA_CUDA_CHUNK_SCAN=10 / 11: UHL false / true, opt-in): scan6's grid, 12 warps, bf16 operands
+// (delta_chunk_scan7.cuh), ~110 / 125 KB of dynamic shared memory at KP = 128. Runs where scan7_applies, which the
+// prep reads too: there it writes w as bf16 (the prep kernels' WB instances) into the first half of its fp32
+// workspace section.
+template <int KP, bool UHL>
+void launch_chunk_scan7(const ChunkFwdParams& p, cudaStream_t st) {
+  using S = Scan7Smem<KP, UHL>;
+  auto kern = delta_chunk_scan7_kernel<KP, UHL>;
+  allow_dynamic_smem(kern, S::bytes);
+  TORCH_CHECK(p.ws_stride % 4 == 0, "scan7: workspace slices must be 16-byte aligned");
+  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>((p.V + S::BV - 1) / S::BV));
+  kern<<<grid, kScan7Threads, S::bytes, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Where scan7 runs (p.scan == 10 / 11, KDA_CUDA_CHUNK_SCAN=10 / 11): scan6's range (bf16/fp16 inputs, bf16
+// workspace, V <= kScan6MaxV, sm_90+). Elsewhere 10 / 11 run the single kernel and the prep writes the fp32 w of
+// the other scans.
+inline bool scan7_applies(const ChunkFwdParams& p) {
+  return (p.scan == 10 || p.scan == 11) && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan6MaxV && cc_major() >= 9;
+}
+
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
 template <bool PC, int KP, bool PRECISE>
 void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
     // gdn_chunk_prep2 (default since session 10: 0.227 vs v1's 0.297 ms at B1 T8192 H16 HV32; v1 retired)
-    launch_gdn_prep<KP>(p, max_chunks, st);
+    launch_gdn_prep<KP>(p, max_chunks, st, scan7_applies(p));
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    launch_kda_prep<KP>(p, max_chunks, st);
+    launch_kda_prep<KP>(p, max_chunks, st, scan7_applies(p));
   } else {
     launch_chunk_prep<PC, KP>(p, max_chunks, st);
   }
@@ -137,6 +175,11 @@ void run_chunk_scan(const char* op, const ChunkFwdParams& p, cudaStream_t st) {
   // the single kernel's column width (checked at every call, also where scan6 runs): 0 by the SM count, 16, 32
   const int bv = env_choice(op, "KDA_CUDA_CHUNK_BV", 0, {0, 16, 32});
   if constexpr (!PRECISE) {
+    if (scan7_applies(p)) {  // scan7, opt-in (KDA_CUDA_CHUNK_SCAN=10 / 11)
+      if (p.scan == 10) launch_chunk_scan7<KP, false>(p, st);
+      else launch_chunk_scan7<KP, true>(p, st);
+      return;
+    }
     if (p.scan == 8 && p.ws_bf16 && p.V <= kScan6MaxV && cc_major() >= 9) {  // scan6 (the default)
       launch_chunk_scan6<KP>(p, st);
       return;

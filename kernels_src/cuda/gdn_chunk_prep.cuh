@@ -299,7 +299,9 @@ __device__ __forceinline__ void prep_inverse_sub2(const float* Ab, float* Ts, fl
 // output columns, row block a over the k-blocks 0..a only. Vs (row stride kPrepLDV) holds v's columns [0, 128) on
 // entry; V > 128 restages the next 128 columns from vg (row t at vg + t * HV * V) between block barriers, so every
 // thread must call this.
-template <int KP, typename T16, typename XW>
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w as bf16 in the fragment order of the bf16 sections (ws_put_frag), in
+// the first half of its fp32 section (delta_chunk_scan7.cuh); u0 and the products as before.
+template <int KP, typename T16, bool WB = false, typename XW>
 __device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
                                           uint16_t* Vs, const uint16_t* vg, int L, bool vec_v, int tid, XW xw) {
   constexpr int LDA = kPrepLDA, LDV = kPrepLDV;
@@ -342,8 +344,10 @@ __device__ __forceinline__ void prep_w_u0(const ChunkFwdParams& p, float* ws, co
       }
       if (isw) {
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
-          reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
+        for (int a = 0; a < 4; ++a) {
+          if constexpr (WB) ws_put_frag(ws + WL.w, (a * ntw + job) * 32 + lane, true, acc_to_afrag(acc[a], lane));
+          else reinterpret_cast<float4*>(ws + WL.w)[(a * ntw + job) * 32 + lane] = acc_to_afrag(acc[a], lane);
+        }
       } else {
 #pragma unroll
         for (int a = 0; a < 4; ++a)

@@ -159,7 +159,9 @@ __device__ __forceinline__ void prep2_round_t(float* Ts, int tid) {
 // jobs (j0, j0 + 1) per warp. The w jobs come first and number KP / 8 (even), so a pair never mixes w and u0; an
 // odd last u0 job computes a discarded partner from staged (zero or in-bounds) columns. V > 128 restages the next
 // 128 columns of v between block barriers.
-template <int KP, typename T16>
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w as bf16 in the fragment order of the bf16 sections (ws_put_frag), in the
+// first half of its fp32 section (delta_chunk_scan7.cuh); u0 and the products as before.
+template <int KP, typename T16, bool WB = false>
 __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
                                            uint16_t* Vs, const uint16_t* Ks, const float* Ea, const uint16_t* vg,
                                            int L, bool vec_v, int tid) {
@@ -212,9 +214,14 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
           }
         }
         if (isw) {
-          float4* wf = reinterpret_cast<float4*>(ws + WL.w);
-          wf[(a * ntw + j0) * 32 + lane] = acc_to_afrag(acc[0], lane);
-          wf[(a * ntw + j0 + 1) * 32 + lane] = acc_to_afrag(acc[1], lane);  // ntw even: j0 + 1 < ntw
+          if constexpr (WB) {
+            ws_put_frag(ws + WL.w, (a * ntw + j0) * 32 + lane, true, acc_to_afrag(acc[0], lane));
+            ws_put_frag(ws + WL.w, (a * ntw + j0 + 1) * 32 + lane, true, acc_to_afrag(acc[1], lane));
+          } else {
+            float4* wf = reinterpret_cast<float4*>(ws + WL.w);
+            wf[(a * ntw + j0) * 32 + lane] = acc_to_afrag(acc[0], lane);
+            wf[(a * ntw + j0 + 1) * 32 + lane] = acc_to_afrag(acc[1], lane);  // ntw even: j0 + 1 < ntw
+          }
         } else {
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
@@ -237,7 +244,7 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
   }
 }
 
-template <int KP, typename T16>
+template <int KP, typename T16, bool WB = false>
 __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = GdnPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDV = SM::LDV, LDA = SM::LDA;
@@ -372,7 +379,7 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   __syncthreads();
 
   // ---- S5: w = T (K e^G) (fragment order), u0 = T V (row-major); V in blocks of 128 columns
-  prep2_w_u0<KP, T16>(p, ws, WL, Ts, Vs, Ks, Ea, vg, L, vec_v, tid);
+  prep2_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, Ks, Ea, vg, L, vec_v, tid);
 }
 
 }  // namespace cuda

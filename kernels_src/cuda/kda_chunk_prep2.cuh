@@ -101,7 +101,8 @@ struct KdaPrep2Smem {
 };
 
 // Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
-template <int KP, typename T16>
+// WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w goes out as bf16 (prep_w_u0).
+template <int KP, typename T16, bool WB = false>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   __syncthreads();
 
   // ---- S5: w = T X (fragment order), u0 = T V (row-major)
-  prep_w_u0<KP, T16>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  prep_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
 }
 
 }  // namespace cuda

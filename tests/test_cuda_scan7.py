@@ -1,0 +1,210 @@
+"""The bf16-operand chunked-forward scan delta_chunk_scan7_kernel<KP, UHL> (KDA_CUDA_CHUNK_SCAN=10: U bf16, 11: U as
+bf16 hi + lo; opt-in since session 12; kernels_src/cuda/delta_chunk_scan7.cuh) with the preps' bf16 w (their WB
+instances), against the float64 reference (tests/ref_delta.py) at DESIGN.md section 6's tolerances (o, final state
+<= 0.005 relative RMS for bf16 / fp16 inputs), with the default scan6 (KDA_CUDA_CHUNK_SCAN=8) run on the same inputs
+for comparison; knob values set explicitly.
+
+scan7 rounds w and the operand copies of h_c / U_c to bf16 (flash-linear-attention's regime; u0 and the state stay
+fp32), so it is NOT bit-equal to scan6: each case checks 10 and 11 against the reference, and records the error
+ratios (error / tolerance) of 10, 11 and 8 -- printed, and appended to the file $SCAN7_ERRS when set -- so the
+margin can be read off (benchmarks/cuda/scan7_accuracy_emu.py is the CPU estimate they can be compared with).
+Cases: tests/test_cuda_chunk_fwd.py's CASES (random and correlated keys, gates logsigmoid(randn)/{0.1, 1, 10},
+extreme gates (30 % at -20, some at -1e4), T 1 / 63 / 65 / 200 / 2048, varlen with empty sequences, GVA, initial
+state, K=V=64, odd K / V, V = 80 / 200 / 256 / 37), both families, bf16 and fp16; long runs of 64 and 128 chunks
+(slow gates; one with correlated keys) against the reference with a repeat call (same bits); a varlen mix with empty
+sequences; a CUDA graph replay; the staged forward (kda/gdn_chunk_fwd_stage) under 10 / 11; fp32 inputs and the
+fp32 workspace (KDA_CUDA_CHUNK_WS_BF16=0), which fall back to the single kernel (bit-equal to 8 there); and that 10 /
+11 run scan7 and the WB preps. The index math is emulated on the CPU by tests/test_cuda_scan7_emu.py. Needs a CUDA
+GPU.
+"""
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False): the scan7 tests need an NVIDIA GPU",
+                allow_module_level=True)
+
+from ref_delta import assert_close, ref_delta_rule, rel_err  # noqa: E402
+from test_cuda_chunk_fwd import CASES, DEV, OPS, TOL, case_inputs, fwd_per_knob, make  # noqa: E402  (loads the build)
+
+KNOB = "KDA_CUDA_CHUNK_SCAN"
+OLD = "8"
+NEWS = ("10", "11")
+FP16_CASES = ("T65", "T2048", "extreme_gates", "gate_div_10", "correlated_keys", "varlen", "odd_kv", "odd_v",
+              "cp_width_v256")
+
+
+def record(label, ref, outs, tol):
+    """Error ratios (relative RMS error / tolerance) per knob value (outs: {value: tensor on the CPU}); printed and
+    appended to $SCAN7_ERRS, one line: SCAN7_ERR label: 10 r10 11 r11 8 r8."""
+    line = f"SCAN7_ERR {label}:" + "".join(f" {m} {rel_err(ref, x) / tol:.3f}" for m, x in outs.items())
+    print(line)
+    path = os.environ.get("SCAN7_ERRS")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(family, case, dtype):
+    (q, k, v, g, beta), h0, cu = case_inputs(family, case, dtype)
+    return ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=q.shape[3] ** -0.5,
+                          initial_state=None if h0 is None else h0.cpu(), cu_seqlens=None if cu is None else cu.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_reference(family, case, dtype, monkeypatch):
+    if dtype == torch.float16 and case not in FP16_CASES:
+        pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
+    res = dict(zip(NEWS + (OLD,), fwd_per_knob(family, case, dtype, "ws_bf16", KNOB, NEWS + (OLD,), monkeypatch)))
+    ro, rs = _reference(family, case, dtype)
+    tol = TOL[dtype]
+    record(f"{family} {case} {str(dtype)[6:]} o", ro, {m: o.cpu() for m, (o, _) in res.items()}, tol)
+    record(f"{family} {case} {str(dtype)[6:]} state", rs, {m: s.cpu() for m, (_, s) in res.items()}, tol)
+    o8, s8 = res[OLD]
+    for m in NEWS:
+        o, s = res[m]
+        assert o.dtype == dtype and s.dtype == torch.float32 and o.shape == o8.shape and s.shape == s8.shape
+        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+        assert_close(f"o (scan7, {m})", ro, o.cpu(), tol)
+        assert_close(f"final_state (scan7, {m})", rs, s.cpu(), tol)
+
+
+@pytest.mark.parametrize("shape", [(1, 8192, 1, 2, 128, 128, "normal"), (2, 4096, 2, 4, 128, 128, "normal"),
+                                   (1, 8192, 1, 2, 64, 64, "normal"), (1, 4096, 1, 2, 128, 128, "correlated")],
+                         ids=["T8192_128chunks", "B2_T4096_64chunks", "T8192_kv64", "T4096_correlated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_long(family, shape, dtype, monkeypatch):
+    """64 and 128 chunks per sequence (the rounding of h_c / U_c feeds back through the state) against the float64
+    reference, with adversarial gates (logsigmoid / 10: slow decay, the state grows; with correlated keys U = u0 - w h
+    cancels most: the CPU estimate's worst case, o at ~0.8 of the tolerance under 10, ~0.65 under 11), and a repeat
+    call."""
+    B, T, H, HV, K, V, keys = shape
+    q, k, v, g, beta = make(family, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seed=3, gate_div=10.0, keys=keys)
+    h0 = (torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    out = {}
+    for m in NEWS + (OLD,):
+        monkeypatch.setenv(KNOB, m)
+        out[m] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
+        if m != OLD:
+            ob, sb = fn(q, k, v, g, beta, K ** -0.5, h0, None)
+            assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m}: other bits"
+    ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=K ** -0.5, initial_state=h0.cpu())
+    tol = TOL[dtype]
+    lab = f"{family} long_{'x'.join(map(str, shape[:6]))}_{keys} {str(dtype)[6:]}"
+    record(f"{lab} o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
+    record(f"{lab} state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
+    for m in NEWS:
+        o, s = out[m]
+        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+        assert_close(f"o (scan7 {m}, long)", ro, o.cpu(), tol)
+        assert_close(f"final_state (scan7 {m}, long)", rs, s.cpu(), tol)
+
+
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_varlen_mix(family, monkeypatch):
+    """A varlen batch of mixed lengths, empty sequences among them, extreme gates, with an initial state."""
+    lens = [0, 1, 64, 65, 1000, 0, 127, 2048, 3, 500, 0, 1500, 63, 129, 700, 1]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long, device=DEV)
+    q, k, v, g, beta = make(family, cu=cu.tolist(), H=2, HV=4, seed=7, extreme=True)
+    h0 = (torch.randn(len(lens), 4, 128, 128, generator=torch.Generator().manual_seed(11)) * 0.5).to(DEV)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    out = {}
+    for m in NEWS + (OLD,):
+        monkeypatch.setenv(KNOB, m)
+        out[m] = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
+                            initial_state=h0.cpu(), cu_seqlens=cu.cpu())
+    tol = TOL[torch.bfloat16]
+    record(f"{family} varlen_mix o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
+    record(f"{family} varlen_mix state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
+    for m in NEWS:
+        o, s = out[m]
+        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+        for i in (0, 5, 10):  # empty sequences: the final state is the initial state
+            assert torch.equal(s[i], h0[i])
+        assert_close(f"o (scan7 {m}, varlen mix)", ro, o.cpu(), tol)
+        assert_close(f"final_state (scan7 {m}, varlen mix)", rs, s.cpu(), tol)
+
+
+@pytest.mark.parametrize("mode", NEWS)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_cuda_graph(family, mode, monkeypatch):
+    monkeypatch.setenv(KNOB, mode)
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "varlen", torch.bfloat16)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    o_ref, s_ref = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, s_g = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_ref) and torch.equal(s_g, s_ref)
+
+
+@pytest.mark.parametrize("mode", NEWS)
+@pytest.mark.parametrize("case", ["T200", "varlen"])
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_stages_match_one_call(family, case, mode, monkeypatch):
+    """The staged forward under 10 / 11 (the prep's bf16 w and scan7 in separate calls) gives the one call's o and
+    final state."""
+    monkeypatch.setenv(KNOB, mode)
+    (q, k, v, g, beta), h0, cu = case_inputs(family, case, torch.bfloat16)
+    x = (q, k, v, g, beta, 128 ** -0.5)
+    o1, f1 = getattr(OPS, f"{family}_chunk_fwd")(*x, h0, cu)
+    stage = getattr(OPS, f"{family}_chunk_fwd_stage")
+    work = stage([], 0, *x, None, cu)
+    o2, f2 = stage(work, 1, *x, h0, cu)
+    torch.cuda.synchronize()
+    assert o2.shape == o1.shape and o2.dtype == o1.dtype and f2.shape == f1.shape
+    assert rel_err(o1.cpu(), o2.cpu()) <= 1e-6 and rel_err(f1.cpu(), f2.cpu()) <= 1e-6  # as tests/test_cuda_stages.py
+
+
+@pytest.mark.parametrize("mode", NEWS)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_fp32_falls_back(family, mode, monkeypatch):
+    """fp32 inputs, and bf16 inputs with the fp32 workspace, take the single kernel under 10 / 11 as under 8 (the
+    prep writes fp32 w there): the same bits."""
+    (o8, s8), (o10, s10) = fwd_per_knob(family, "T200", torch.float32, "ws_bf16", KNOB, (OLD, mode), monkeypatch)
+    assert torch.equal(o8, o10) and torch.equal(s8, s10)
+    (o8, s8), (o10, s10) = fwd_per_knob(family, "T200", torch.bfloat16, "ws_f32", KNOB, (OLD, mode), monkeypatch)
+    assert torch.equal(o8, o10) and torch.equal(s8, s10)
+
+
+@pytest.mark.parametrize("mode", NEWS)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_scan7_runs_scan7(family, mode, monkeypatch):
+    """10 / 11 run delta_chunk_scan7_kernel<KP, false / true> and the prep's WB instance; the knob unset does not."""
+    (q, k, v, g, beta), h0, cu = case_inputs(family, "T200", torch.bfloat16)
+    fn = getattr(OPS, f"{family}_chunk_fwd")
+    names = {}
+    for m in (mode, None):
+        if m is None:
+            monkeypatch.delenv(KNOB, raising=False)
+        else:
+            monkeypatch.setenv(KNOB, m)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+            torch.cuda.synchronize()
+        names[m] = [e.name for e in prof.events()]
+    uhl = "true" if mode == "11" else "false"
+    assert any("delta_chunk_scan7_kernel" in n and uhl in n for n in names[mode]), sorted(set(names[mode]))
+    assert not any("delta_chunk_scan6_kernel" in n for n in names[mode])
+    assert any("chunk_prep2_kernel" in n and "true" in n for n in names[mode]), sorted(set(names[mode]))
+    assert not any("delta_chunk_scan7_kernel" in n for n in names[None])
