@@ -14,6 +14,7 @@
 #include "delta_chunk_bwd_prep4.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
+#include "delta_chunk_bwd_state_bwd3_bf16.cuh"
 #include "delta_chunk_bwd_grad3_wy2.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
@@ -115,10 +116,14 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
     // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
     // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
-    // fp32 inputs)
+    // fp32 inputs), 9 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS; session 12,
+    // delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in until measured)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
+    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 9, "[", op,
+                "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the default, "
+                "tf32), 3 (3xTF32), 9 (bf16 operands) or 2 (fp32 SIMT), or unset it");
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -247,6 +252,11 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   // kGradSmem, which every chunked backward checks the device for before its first stage)
   if ((mode == 3 || mode == 4) && p.in_dtype != kF32) {
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
+    allow_dynamic_smem(kern, cb::kStateBwd3Smem);
+    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if (mode == 9 && p.in_dtype != kF32) {
+    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cuh): the same shared layout and grid
+    auto kern = cb::state_bwd3_bf16_kernel<PC>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
   } else {
