@@ -117,13 +117,14 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
     // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
     // fp32 inputs), 9 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS; session 12,
-    // delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in until measured)
+    // delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in until measured), 10 = the same with 16-byte A-operand reads
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
-    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 9, "[", op,
-                "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the default, "
-                "tf32), 3 (3xTF32), 9 (bf16 operands) or 2 (fp32 SIMT), or unset it");
+    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 9 ||
+                    c[kCfgStateBwd] == 10,
+                "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the "
+                "default, tf32), 3 (3xTF32), 9 / 10 (bf16 operands / with 16-byte A reads) or 2 (fp32 SIMT), or unset it");
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -254,11 +255,14 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
-  } else if (mode == 9 && p.in_dtype != kF32) {
-    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cuh): the same shared layout and grid
-    auto kern = cb::state_bwd3_bf16_kernel<PC>;
-    allow_dynamic_smem(kern, cb::kStateBwd3Smem);
-    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if ((mode == 9 || mode == 10) && p.in_dtype != kF32) {
+    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cuh), the same grid; 10: its 16-byte A reads
+    constexpr size_t sm9 = cb::state_bwd3_bf16_smem<false>(), sm10 = cb::state_bwd3_bf16_smem<true>();
+    static_assert(sm9 <= cb::kGradSmem && sm10 <= cb::kGradSmem, "state_bwd3_bf16 exceeds kGradSmem");
+    auto kern = mode == 10 ? cb::state_bwd3_bf16_kernel<PC, true> : cb::state_bwd3_bf16_kernel<PC, false>;
+    const size_t bytes = mode == 10 ? sm10 : sm9;
+    allow_dynamic_smem(kern, bytes);
+    kern<<<gseq, cb::kSb3Threads, bytes, st>>>(p);
   } else {
     cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   }

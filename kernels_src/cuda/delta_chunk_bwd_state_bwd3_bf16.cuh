@@ -40,9 +40,37 @@ __device__ __forceinline__ void sbb_mma(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <bool PC>
+// Shared layout in floats: Sb3Smem's for VEC = false; VEC = true pads K Eend rows to KP + 16 (its 16-byte fragment
+// reads: quarter-warp lanes (g, t) of g = 0, 1 at banks 16 g + 4 t.., conflict-free) and the dS copy's rows to
+// VS + 10 (B reads of rows 4 t + m: banks 8 t + g, conflict-free).
+template <bool VEC>
+struct SbbSmem {
+  static constexpr int ldke = VEC ? KP + 16 : kSb3LdKe;
+  static constexpr int ldd = VEC ? VS + 10 : kSb3LdB;
+  static constexpr int kend = 0;                         // [2][CH][ldke]
+  static constexpr int w = kend + 2 * CH * ldke;         // [2][CH][kSb3LdT]
+  static constexpr int qg = w + 2 * CH * kSb3LdT;        // [CH][kSb3LdT]
+  static constexpr int aqk = qg + CH * kSb3LdT;          // [CH][kSb3LdA]
+  static constexpr int gl = aqk + CH * kSb3LdA;          // [KP]
+  static constexpr int ds = gl + KP;                     // [KP][ldd] fp32 copy of dS1
+  static constexpr int ou = ds + KP * ldd;               // [CH][kSb3LdB] raw dO, then dU
+  static constexpr int floats = ou + CH * kSb3LdB;
+  static_assert(w % 4 == 0 && qg % 4 == 0 && aqk % 4 == 0 && gl % 4 == 0 && ds % 4 == 0 && ou % 4 == 0,
+                "16-byte cp.async / vector destinations");
+};
+static_assert(SbbSmem<false>::floats == Sb3Smem::floats && SbbSmem<false>::ou == Sb3Smem::ou, "VEC = false is Sb3Smem");
+template <bool VEC>
+constexpr size_t state_bwd3_bf16_smem() { return SbbSmem<VEC>::floats * sizeof(float); }
+
+// VEC = false: the fragment reads of state_bwd3 (one 4-byte read per operand element). VEC = true: 16-byte reads of
+// the A operands K Eend, Q Gam and w (a quarter of the read instructions), by (i) dS rows permuted inside each warp's
+// 32: the accumulator row g (+ 8 h) of tile mt is dS row 32 wi + 4 g + 2 mt + h, so a lane's four dS rows are
+// adjacent and one float4 of a Q Gam / w row holds them; (ii) the k16 steps of K Eend dS1 taking slots 2t, 2t+1,
+// 2t+8, 2t+9 as physical k 4t .. 4t+3 (one float4 of a K Eend row; the dS copy's B reads follow).
+template <bool PC, bool VEC>
 __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params p) {
-  using L = Sb3Smem;
+  using L = SbbSmem<VEC>;
+  constexpr int LDD = L::ldd, LDKE = L::ldke;
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
   extern __shared__ __align__(16) float sm[];
   float* qgs = sm + L::qg;
@@ -64,7 +92,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
   int len;
   seq_bounds(p.cu, n, p.T, bos, len);
 
-  // dS: ds[mt][nt][e] at row r0 + 16 mt + 8 (e / 2), column cw + 8 nt + 2 t4 + e % 2 (+ v0 in V)
+  // dS: ds[mt][nt][e] at row srow(mt, e / 2), column cw + 8 nt + 2 t4 + e % 2 (+ v0 in V)
+  auto srow = [&](int mt, int h) { return VEC ? 32 * wi + 4 * gq + 2 * mt + h : r0 + 16 * mt + 8 * h; };
   float ds[2][2][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -72,7 +101,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = r0 + 16 * mt + 8 * (e >> 1), c = v0 + cw + 8 * nt + 2 * t4 + (e & 1);
+        const int r = srow(mt, e >> 1), c = v0 + cw + 8 * nt + 2 * t4 + (e & 1);
         ds[mt][nt][e] = (p.dht != nullptr && r < K && c < V) ? p.dht[nbase + static_cast<int64_t>(r) * V + c] : 0.f;
       }
   auto put_ds = [&]() {  // fp32 copy for the next step's B operand
@@ -80,9 +109,9 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        float* d = dss + (r0 + 16 * mt) * kSb3LdB + cw + 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(d) = make_float2(ds[mt][nt][0], ds[mt][nt][1]);
-        *reinterpret_cast<float2*>(d + 8 * kSb3LdB) = make_float2(ds[mt][nt][2], ds[mt][nt][3]);
+        const int col = cw + 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(dss + srow(mt, 0) * LDD + col) = make_float2(ds[mt][nt][0], ds[mt][nt][1]);
+        *reinterpret_cast<float2*>(dss + srow(mt, 1) * LDD + col) = make_float2(ds[mt][nt][2], ds[mt][nt][3]);
       }
   };
   auto store_ds = [&](float* dst) {  // a [K, V] state
@@ -90,7 +119,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = r0 + 16 * mt + 8 * h;
+        const int r = srow(mt, h);
         if (r >= K) continue;
         float* row = dst + static_cast<int64_t>(r) * V;
 #pragma unroll
@@ -101,14 +130,14 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
 
   auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
   auto issue_g1 = [&](int cid, int b) {  // K Eend and w of chunk cid into buffer b
-    float* ke = sm + L::kend + b * CH * kSb3LdKe;
+    float* ke = sm + L::kend + b * CH * LDKE;
     float* ww = sm + L::w + b * CH * kSb3LdT;
     const float* ksrc = p.kendc + tile(cid);
     const float* wsrc = p.wc + tile(cid);
 #pragma unroll 4
     for (int i = tid; i < CH * KP / 4; i += kSb3Threads) {
       const int t = i / (KP / 4), c = (i % (KP / 4)) * 4;
-      cpa16(ke + t * kSb3LdKe + c, ksrc + t * KP + c);
+      cpa16(ke + t * LDKE + c, ksrc + t * KP + c);
       cpa16(ww + t * kSb3LdT + c, wsrc + t * KP + c);
     }
   };
@@ -142,10 +171,34 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
     *reinterpret_cast<float4*>(d) = make_float4(dn[0], dn[1], dn[2], dn[3]);
     *reinterpret_cast<float4*>(d + 4) = make_float4(dn[4], dn[5], dn[6], dn[7]);
   };
-  // B fragment of a [k][VS] fp32 buffer (row stride kSb3LdB) at k16 step base k0 = 16 ks + t4, column col
+  // B fragment of the dO / dU buffer ([CH][kSb3LdB] fp32) at k16 step base k0 = 16 ks + t4, column col
   auto bfrag = [&](const float* buf, int k0, int col, uint32_t& b0, uint32_t& b1) {
     b0 = sbb_pack(buf[k0 * kSb3LdB + col], buf[(k0 + 4) * kSb3LdB + col]);
     b1 = sbb_pack(buf[(k0 + 8) * kSb3LdB + col], buf[(k0 + 12) * kSb3LdB + col]);
+  };
+  // A fragments of the transposed Q Gam / w tile x ([CH][kSb3LdT]: A(i, t) = x[t][i]) for both row tiles mt at k16
+  // step base t0 = 16 ks + t4
+  auto afrag_t = [&](const float* x, int t0, uint32_t (&a)[2][4]) {
+    if constexpr (VEC) {
+      const float* xa = x + t0 * kSb3LdT + 32 * wi + 4 * gq;  // dS rows srow(mt, h) = 32 wi + 4 gq + 2 mt + h
+      const float4 v0 = *reinterpret_cast<const float4*>(xa);
+      const float4 v1 = *reinterpret_cast<const float4*>(xa + 4 * kSb3LdT);
+      const float4 v2 = *reinterpret_cast<const float4*>(xa + 8 * kSb3LdT);
+      const float4 v3 = *reinterpret_cast<const float4*>(xa + 12 * kSb3LdT);
+      a[0][0] = sbb_pack(v0.x, v1.x); a[0][1] = sbb_pack(v0.y, v1.y);
+      a[0][2] = sbb_pack(v2.x, v3.x); a[0][3] = sbb_pack(v2.y, v3.y);
+      a[1][0] = sbb_pack(v0.z, v1.z); a[1][1] = sbb_pack(v0.w, v1.w);
+      a[1][2] = sbb_pack(v2.z, v3.z); a[1][3] = sbb_pack(v2.w, v3.w);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const float* xa = x + r0 + 16 * mt;
+        a[mt][0] = sbb_pack(xa[t0 * kSb3LdT], xa[(t0 + 4) * kSb3LdT]);
+        a[mt][1] = sbb_pack(xa[t0 * kSb3LdT + 8], xa[(t0 + 4) * kSb3LdT + 8]);
+        a[mt][2] = sbb_pack(xa[(t0 + 8) * kSb3LdT], xa[(t0 + 12) * kSb3LdT]);
+        a[mt][3] = sbb_pack(xa[(t0 + 8) * kSb3LdT + 8], xa[(t0 + 12) * kSb3LdT + 8]);
+      }
+    }
   };
 
   put_ds();
@@ -195,16 +248,12 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) sbb_mma(xm[nt], a, bv[nt][0], bv[nt][1]);
         }
+        uint32_t a[2][4];  // A(i, t) = Q Gam[t, i]
+        afrag_t(qgs, t0, a);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const float* qa = qgs + r0 + 16 * mt;  // A(i, t) = Q Gam[t, i]
-          const uint32_t a[4] = {sbb_pack(qa[t0 * kSb3LdT], qa[(t0 + 4) * kSb3LdT]),
-                                 sbb_pack(qa[t0 * kSb3LdT + 8], qa[(t0 + 4) * kSb3LdT + 8]),
-                                 sbb_pack(qa[(t0 + 8) * kSb3LdT], qa[(t0 + 12) * kSb3LdT]),
-                                 sbb_pack(qa[(t0 + 8) * kSb3LdT + 8], qa[(t0 + 12) * kSb3LdT + 8])};
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) sbb_mma(ym[mt][nt], a, bv[nt][0], bv[nt][1]);
-        }
+          for (int nt = 0; nt < 2; ++nt) sbb_mma(ym[mt][nt], a[mt], bv[nt][0], bv[nt][1]);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -212,7 +261,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
         for (int e = 0; e < 4; ++e) du[nt][e] = scale * xm[nt][e];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const float g0 = gls[r0 + 16 * mt], g1 = gls[r0 + 16 * mt + 8];
+        const float g0 = gls[srow(mt, 0)], g1 = gls[srow(mt, 1)];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -225,7 +274,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
 
     // ---- dU += (K Eend) dS1 (B: the dS1 copy); two k-chains per tile
     {
-      const float* ke = sm + L::kend + b * CH * kSb3LdKe;
+      const float* ke = sm + L::kend + b * CH * LDKE;
       float am[2][2][4];
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -235,16 +284,30 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
           for (int e = 0; e < 4; ++e) am[h][nt][e] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KP / 16; ++ks) {
-        const int k0 = 16 * ks + t4, h = ks & 1;
-        const float* k1 = ke + u0 * kSb3LdKe + k0;  // A(t, k) = K Eend[t, k], rows u0, u0 + 8
-        const float* k2 = k1 + 8 * kSb3LdKe;
-        const uint32_t a[4] = {sbb_pack(k1[0], k1[4]), sbb_pack(k2[0], k2[4]), sbb_pack(k1[8], k1[12]),
-                               sbb_pack(k2[8], k2[12])};
+        const int h = ks & 1;
+        uint32_t a[4];  // A(t, k) = K Eend[t, k], rows u0, u0 + 8
+        if constexpr (VEC) {  // physical k 16 ks + 4 t4 .. + 3
+          const int k0 = 16 * ks + 4 * t4;
+          const float4 x1 = *reinterpret_cast<const float4*>(ke + u0 * LDKE + k0);
+          const float4 x2 = *reinterpret_cast<const float4*>(ke + (u0 + 8) * LDKE + k0);
+          a[0] = sbb_pack(x1.x, x1.y); a[1] = sbb_pack(x2.x, x2.y);
+          a[2] = sbb_pack(x1.z, x1.w); a[3] = sbb_pack(x2.z, x2.w);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          uint32_t b0, b1;
-          bfrag(dss, k0, cw + 8 * nt + gq, b0, b1);
-          sbb_mma(am[h][nt], a, b0, b1);
+          for (int nt = 0; nt < 2; ++nt) {
+            const float* d = dss + k0 * LDD + cw + 8 * nt + gq;
+            sbb_mma(am[h][nt], a, sbb_pack(d[0], d[LDD]), sbb_pack(d[2 * LDD], d[3 * LDD]));
+          }
+        } else {  // physical k 16 ks + t4 + {0, 4, 8, 12}
+          const int k0 = 16 * ks + t4;
+          const float* k1 = ke + u0 * LDKE + k0;
+          const float* k2 = k1 + 8 * LDKE;
+          a[0] = sbb_pack(k1[0], k1[4]); a[1] = sbb_pack(k2[0], k2[4]);
+          a[2] = sbb_pack(k1[8], k1[12]); a[3] = sbb_pack(k2[8], k2[12]);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const float* d = dss + k0 * LDD + cw + 8 * nt + gq;
+            sbb_mma(am[h][nt], a, sbb_pack(d[0], d[4 * LDD]), sbb_pack(d[8 * LDD], d[12 * LDD]));
+          }
         }
       }
 #pragma unroll
@@ -286,16 +349,12 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
         uint32_t bh[2][2];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) bfrag(ous, t0, cw + 8 * nt + gq, bh[nt][0], bh[nt][1]);
+        uint32_t a[2][4];  // A(i, t) = w[t, i] (the sum is subtracted)
+        afrag_t(ww, t0, a);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const float* wa = ww + r0 + 16 * mt;  // A(i, t) = w[t, i] (the sum is subtracted)
-          const uint32_t a[4] = {sbb_pack(wa[t0 * kSb3LdT], wa[(t0 + 4) * kSb3LdT]),
-                                 sbb_pack(wa[t0 * kSb3LdT + 8], wa[(t0 + 4) * kSb3LdT + 8]),
-                                 sbb_pack(wa[(t0 + 8) * kSb3LdT], wa[(t0 + 12) * kSb3LdT]),
-                                 sbb_pack(wa[(t0 + 8) * kSb3LdT + 8], wa[(t0 + 12) * kSb3LdT + 8])};
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) sbb_mma(zm[mt][nt], a, bh[nt][0], bh[nt][1]);
-        }
+          for (int nt = 0; nt < 2; ++nt) sbb_mma(zm[mt][nt], a[mt], bh[nt][0], bh[nt][1]);
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
