@@ -3,7 +3,7 @@ kernels_src/cuda/delta_chunk_bwd_state_bwd3_bf16.cuh; session 12, off by default
 float64 reference (tests/ref_delta.py) at DESIGN.md section 6 tolerances (bf16/fp16 inputs: dq, dk, dv, dh0 <= 0.008,
 dg, dbeta <= 0.02 relative RMS), against the default state_bwd3 (tf32, =4: close, not equal) and =9 against =10.
 Every knob value is set explicitly. Prints each gradient's error and its ratio to the bound for =4, =9 and =10
-(run with -s to see them).
+(run with -s, or -rP under xdist, to see them).
 
 Cases: random, correlated keys, gates logsigmoid(randn) / {0.1, 1, 10}, 30 % of gates at -20 (and at -1e4: e^g = 0
 exactly), varlen with empty sequences, GVA, odd K / V, V > 128 (column blocks), T = 1000, long runs of 64 and 128

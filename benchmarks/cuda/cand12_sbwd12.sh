@@ -14,7 +14,7 @@
 # 128-chunk run and fp16) and it is faster than 4 in both families (and fwd+bwd not slower).
 D="$OUT/sbwd12"
 mkdir -p "$D"
-timeout -k 5 100 python3 -m pytest -q -s -n 8 -p no:cacheprovider -rfE tests/test_cuda_state_bwd_bf16.py \
+timeout -k 5 100 python3 -m pytest -q -n 8 -p no:cacheprovider -rfEP tests/test_cuda_state_bwd_bf16.py \
   tests/test_cuda_state_bwd_bf16_emu.py > "$D/tests.log" 2>&1
 echo "sbwd12 pytest exit $?" >> "$D/tests.log"; tail -3 "$D/tests.log"; grep -E "^FAILED|^ERROR" "$D/tests.log" | head -20
 # worst error / bound per knob value over all cases (from the printed lines)

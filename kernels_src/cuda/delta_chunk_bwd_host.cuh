@@ -14,7 +14,6 @@
 #include "delta_chunk_bwd_prep4.cuh"
 #include "delta_chunk_bwd_state_fwd3.cuh"
 #include "delta_chunk_bwd_state_bwd3.cuh"
-#include "delta_chunk_bwd_state_bwd3_bf16.cuh"
 #include "delta_chunk_bwd_grad3_wy2.cuh"
 #include "delta_chunk_bwd_grad3_vc_tc.cuh"
 #include "delta_chunk_bwd_grad3_gdn.cuh"
@@ -241,6 +240,11 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// state_bwd3 with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_BWD=9 / 10): defined and instantiated in
+// delta_chunk_bwd_state_bwd3_bf16.cu (its own translation unit: this file's kernels compile as without it)
+template <bool PC>
+void launch_state_bwd3_bf16(const chunk_bwd::Params& p, bool vec, dim3 grid, cudaStream_t st);
+
 // Stage state_bwd: the chunk-end state gradients backwards from grad_final_state (p.dht); writes p.dh0.
 template <bool PC>
 void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
@@ -256,13 +260,8 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
   } else if ((mode == 9 || mode == 10) && p.in_dtype != kF32) {
-    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cuh), the same grid; 10: its 16-byte A reads
-    constexpr size_t sm9 = cb::state_bwd3_bf16_smem<false>(), sm10 = cb::state_bwd3_bf16_smem<true>();
-    static_assert(sm9 <= cb::kGradSmem && sm10 <= cb::kGradSmem, "state_bwd3_bf16 exceeds kGradSmem");
-    auto kern = mode == 10 ? cb::state_bwd3_bf16_kernel<PC, true> : cb::state_bwd3_bf16_kernel<PC, false>;
-    const size_t bytes = mode == 10 ? sm10 : sm9;
-    allow_dynamic_smem(kern, bytes);
-    kern<<<gseq, cb::kSb3Threads, bytes, st>>>(p);
+    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid; 10: its 16-byte A reads
+    launch_state_bwd3_bf16<PC>(p, mode == 10, gseq, st);
   } else {
     cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   }

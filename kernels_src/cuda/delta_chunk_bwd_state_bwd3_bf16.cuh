@@ -1,13 +1,14 @@
-// state_bwd3 with bf16 tensor-core operands (session 12, branch sbwd12; KDA_CUDA_CHUNK_BWD_STATE_BWD=9, off by
-// default): the chunk-end state gradients of the chunked backward for bf16/fp16 inputs, the kernel of
-// delta_chunk_bwd_state_bwd3.cuh (same Params, buffers, shared layout Sb3Smem, cp.async prefetch schedule, barriers,
-// warp tiling and outputs dhs / dU / dh0, all fp32) with its products as mma.sync m16n8k16 bf16 with fp32
-// accumulators instead of m16n8k8 tf32: half the mma instructions and one cvt (cvt.rn.bf16x2.f32) per two operand
-// elements instead of one per element. dS stays fp32 in registers and is carried in fp32; only its operand copy
-// (the B operand of K Eend dS1, read from the fp32 shared copy) is rounded to bf16, as are every other operand
-// (A_qk, Q Gam, K Eend, w: fp32 in shared memory, rounded at the fragment read; dO: exact for bf16 inputs, rounded
-// for fp16; dU: rounded). This is flash-linear-attention's precision regime for the dh recurrence (bf16 operands,
-// fp32 accumulation); DESIGN.md section 6's bf16/fp16 tolerances are the bound (tests/test_cuda_state_bwd_bf16.py).
+// state_bwd3 with bf16 tensor-core operands (session 12, branch sbwd12; KDA_CUDA_CHUNK_BWD_STATE_BWD=9 / 10, off by
+// default; instantiated only in delta_chunk_bwd_state_bwd3_bf16.cu): the chunk-end state gradients of the chunked
+// backward for bf16/fp16 inputs, the kernel of delta_chunk_bwd_state_bwd3.cuh (same Params, buffers, shared layout
+// Sb3Smem, cp.async prefetch schedule, barriers, warp tiling and outputs dhs / dU / dh0, all fp32; =10 changes the
+// layout, see SbbSmem) with its products as mma.sync m16n8k16 bf16 with fp32 accumulators instead of m16n8k8 tf32:
+// half the mma instructions and one cvt (cvt.rn.bf16x2.f32) per two operand elements instead of one per element. dS
+// stays fp32 in registers and is carried in fp32; only its operand copy (the B operand of K Eend dS1, read from the
+// fp32 shared copy) is rounded to bf16, as are every other operand (A_qk, Q Gam, K Eend, w: fp32 in shared memory,
+// rounded at the fragment read; dO: exact for bf16 inputs, rounded for fp16; dU: rounded). This is flash-linear-
+// attention's precision regime for the dh recurrence (bf16 operands, fp32 accumulation); DESIGN.md section 6's
+// bf16/fp16 tolerances are the bound (tests/test_cuda_state_bwd_bf16.py).
 //
 // k order inside a k16 step: the fragment's k slots 2t, 2t + 1, 2t + 8, 2t + 9 of lane (g, t) hold physical
 // k = t, t + 4, t + 8, t + 12 (a permutation of the contraction index, the same for A and B), so every shared
