@@ -3,7 +3,7 @@
 # carried in fp32), KDA_CUDA_CHUNK_BWD_STATE_BWD=9 (state_bwd3's layout and fragment addresses) and =10 (16-byte
 # A-operand reads), kernels_src/cuda/delta_chunk_bwd_state_bwd3_bf16.cuh, against the default state_bwd3 tf32 (=4).
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; writes under $OUT/sbwd12.
-# About 130 s in all:
+# About 130 s in all (budget: 100 + 50 + 70 s under timeout):
 #   1. GPU tests: every gradient against the float64 reference at DESIGN.md section 6 (=4, =9, =10 each printed as
 #      error and error / bound), =9 vs =4 and =10 vs =9, 64 / 128-chunk runs, knob -> kernel, bad values: ~60 s
 #   2. per-kernel times, backward, STATE_BWD 4 / 9 / 10 in one process (B1 T8192 H16 HV32 K=V=128 bf16): ~25 s
