@@ -123,7 +123,8 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 9 ||
                     c[kCfgStateBwd] == 10,
                 "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the "
-                "default, tf32), 3 (3xTF32), 9 / 10 (bf16 operands / with 16-byte A reads) or 2 (fp32 SIMT), or unset it");
+                "default, tf32), 3 (3xTF32), 9 / 10 (bf16 operands / with 16-byte A reads) or 2 (fp32 SIMT), or "
+                "unset it");
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
