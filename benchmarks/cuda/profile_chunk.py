@@ -61,7 +61,7 @@ KNOB_SWEEPS = [
      "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
-     "bf16/fp16 inputs"),
+     "bf16/fp16 inputs, 9 / 10 it with bf16 operands (m16n8k16; 10 with 16-byte A-operand reads; session 12)"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
