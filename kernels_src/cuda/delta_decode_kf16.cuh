@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(kKf16Threads, 8) delta_decode_kf16_kernel(cons
   const unsigned nh = blockIdx.x >> 1, half = blockIdx.x & 1u;
   const unsigned n32 = nh / static_cast<unsigned>(HV);
   const int n = static_cast<int>(n32), hv = static_cast<int>(nh - n32 * static_cast<unsigned>(HV));
-  const int h = hv / (HV / H);
   const int64_t tok = n;  // one token per sequence
   int64_t in_row = n, out_row = n;
   if (p.serve) {
@@ -80,6 +79,7 @@ __global__ void __launch_bounds__(kKf16Threads, 8) delta_decode_kf16_kernel(cons
     for (int j = 0; j < 8; ++j) tile[crow + 4 * j][ccg ^ (2 * (j >> 1))] = make_uint4(0, 0, 0, 0);
   }
   cp_async_commit();
+  const int h = hv / (HV / H);  // (after the copies: two integer divisions the copies need not wait for)
 
   // ---- compute mapping: lane = 2 kg + vg; rows 8 kg + c (c = chunk 0..7), columns 8 cg .. 8 cg + 7 of the block's
   // 64, cg = 2 w + vg (this warp's item: columns 16 w .. 16 w + 15)
