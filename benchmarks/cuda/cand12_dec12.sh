@@ -4,12 +4,12 @@
 # 128 x 64 state tile is copied as whole 128-byte rows (=2: whole-row stores too; =3 / =4: as 1 / 2 with p
 # reduce-scattered), against the default (LEAN cfg 1).
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; one H200; writes under
-# $OUT/dec12. About 90 s in all.
-#   1. GPU tests, ~40 s: tests/test_cuda_decode_kf16.py (KF16=1/2 vs the default and vs the float64 reference, both
+# $OUT/dec12. About 100 s in all (hard caps 75 + 100 s).
+#   1. GPU tests, ~40 s: tests/test_cuda_decode_kf16.py (KF16=1..4 vs the default and vs the float64 reference, both
 #      families, bf16/fp16 pools, bf16/fp32 inputs, B 1/3/64/256 with skipped slots, GVA, [N, C] indices with
 #      num_accepted_tokens, the API with inplace_final_state on/off, other pools unchanged, bad values refused) and
 #      the CPU emulation tests/test_cuda_kf16_emu.py. Expected: all pass.
-#   2. bench_cuda.py --sweep12, ~45 s: one process, B = 256, 64, 1 (H16 HV32 K=V=128, graphs): fla 0.6.0's fp32 row,
+#   2. bench_cuda.py --sweep12, ~55 s: one process, B = 256, 64, 1 (H16 HV32 K=V=128, graphs): fla 0.6.0's fp32 row,
 #      our default rows, then K-first bf16 / fp16 pools with KDA_CUDA_DEC_KF16 = 0 1 2 3 4 4 3 2 1 0; the summary rows
 #      "<fam>_decode_sweep12_summary" give each value's mean graph ms and fla_fp32_ms / ours ("x_fla").
 # Decides: kda serve_bf16_pool:kf1..kf4 x_fla at B=256 against kf0 (session 10/11: 1.72-1.74x; issue #5 wants
