@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cuda_scan3_emu import GQ, T4, to_frag  # noqa: E402
+from test_cuda_scan6_emu import GQ, T4, to_frag  # noqa: E402
 
 C = 64
 LDW = 40  # kScan7LDW
