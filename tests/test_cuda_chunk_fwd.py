@@ -12,7 +12,7 @@ Likewise KDA with bf16/fp16 inputs (kda_chunk_prep2.cuh with the 8x8 split; test
 prep (KDA_CUDA_KDA_PREP=1) and the generic prep for 16-bit inputs (KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0) were
 retired in session 9, the GDN prep v1 (KDA_CUDA_GDN_PREP=1) and the KDA prep v2 without the split (KDA_CUDA_KDA_PREP=2)
 in session 11, as was scan6 with warp pairs (KDA_CUDA_CHUNK_SCAN=9) (test_retired_fwd_knob_values_are_refused).
-The scan is delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the default since session 11; tests/test_cuda_scan6.py)
+The scan is delta_chunk_scan7_kernel<KP, true> (KDA_CUDA_CHUNK_SCAN=11, the default since session 12; tests/test_cuda_scan7.py)
 where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
 KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel). test_chunk_fwd_single_scan runs the single
 kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the float64 reference. Retired in session 12:
@@ -279,7 +279,7 @@ def test_accepted_fwd_knob_values_run(family, monkeypatch):
     fn = getattr(OPS, f"{family}_chunk_fwd")
     o_def, s_def = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
     prep = ("KDA_CUDA_KDA_PREP", "3") if family == "kda" else ("KDA_CUDA_GDN_PREP", "2")
-    for env in ({"KDA_CUDA_CHUNK_SCAN": "0"}, {"KDA_CUDA_CHUNK_SCAN": "8"}, dict([prep]),
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "0"}, {"KDA_CUDA_CHUNK_SCAN": "11"}, dict([prep]),
                 {"KDA_CUDA_CHUNK_WS_BF16": "1"}, {"KDA_CUDA_CHUNK_FWD": "1"}, {"KDA_CUDA_CHUNK_BV": "32"}):
         for key, val in env.items():
             monkeypatch.setenv(key, val)
@@ -289,7 +289,7 @@ def test_accepted_fwd_knob_values_run(family, monkeypatch):
             monkeypatch.delenv(key)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=None)
-    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "10"}, {"KDA_CUDA_CHUNK_SCAN": "11"},
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "8"}, {"KDA_CUDA_CHUNK_SCAN": "10"},
                 {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "16"},
                 {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "0"}, {"KDA_CUDA_CHUNK_WS_BF16": "0"},
                 {"KDA_CUDA_CHUNK_FWD": "0"}):

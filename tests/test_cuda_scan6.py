@@ -3,7 +3,7 @@ kernels_src/cuda/delta_chunk_scan6.cuh), set explicitly, against the float64 ref
 DESIGN.md section 6), against the single scan kernel delta_chunk_scan_kernel (KDA_CUDA_CHUNK_SCAN=1: the same
 prep, workspace and tf32 products in another fp32 summation order, so o agrees to 1e-3 and the final state to
 1e-4, as scan3 did), and against a repeat scan6 call (the same bits: no race between its warp groups); the knob
-unset runs scan6.
+unset runs scan7 since session 12 (tests/test_cuda_scan7.py).
 
 Until session 12 these tests compared scan6 bit for bit with scan5 (KDA_CUDA_CHUNK_SCAN=7: scan6 runs scan5's
 products in scan5's order; they were bit-equal in every case of session 11's candidate call). scan5 was
@@ -143,20 +143,3 @@ def test_scan6_fp32_inputs_fall_back(family, mode, monkeypatch):
     """fp32 inputs (fp32 workspace) take the single kernel under 8, as under 1."""
     (o1, s1), (o8, s8) = fwd_per_knob(family, "T200", torch.float32, "ws_bf16", KNOB, (SINGLE, mode), monkeypatch)
     assert torch.equal(o1, o8) and torch.equal(s1, s8)
-
-
-@pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_scan6_is_the_default(family, monkeypatch):
-    """The knob unset runs scan6: the same bits as KDA_CUDA_CHUNK_SCAN=8, and the kernel profiled is scan6's."""
-    (q, k, v, g, beta), h0, cu = case_inputs(family, "T200", torch.bfloat16)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    monkeypatch.setenv(KNOB, "8")
-    o8, s8 = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
-    monkeypatch.delenv(KNOB, raising=False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        o, s = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
-        torch.cuda.synchronize()
-    assert torch.equal(o, o8) and torch.equal(s, s8)
-    names = [e.name for e in prof.events()]
-    assert any("delta_chunk_scan6_kernel" in n for n in names), sorted(set(names))
-    assert not any("delta_chunk_scan_kernel" in n for n in names)

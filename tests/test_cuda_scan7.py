@@ -190,21 +190,25 @@ def test_scan7_fp32_falls_back(family, mode, monkeypatch):
 @pytest.mark.parametrize("mode", NEWS)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_scan7_runs_scan7(family, mode, monkeypatch):
-    """10 / 11 run delta_chunk_scan7_kernel<KP, false / true> and the prep's WB instance; the knob unset does not."""
+    """10 / 11 run delta_chunk_scan7_kernel<KP, false / true> and the prep's WB instance; the knob unset runs 11 (the
+    default since session 12): the same kernels and the same bits."""
     (q, k, v, g, beta), h0, cu = case_inputs(family, "T200", torch.bfloat16)
     fn = getattr(OPS, f"{family}_chunk_fwd")
-    names = {}
+    names, outs = {}, {}
     for m in (mode, None):
         if m is None:
             monkeypatch.delenv(KNOB, raising=False)
         else:
             monkeypatch.setenv(KNOB, m)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+            outs[m] = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
             torch.cuda.synchronize()
         names[m] = [e.name for e in prof.events()]
     uhl = "true" if mode == "11" else "false"
     assert any("delta_chunk_scan7_kernel" in n and uhl in n for n in names[mode]), sorted(set(names[mode]))
     assert not any("delta_chunk_scan6_kernel" in n for n in names[mode])
     assert any("chunk_prep2_kernel" in n and "true" in n for n in names[mode]), sorted(set(names[mode]))
-    assert not any("delta_chunk_scan7_kernel" in n for n in names[None])
+    assert any("delta_chunk_scan7_kernel" in n and "true" in n for n in names[None]), sorted(set(names[None]))
+    assert not any("delta_chunk_scan6_kernel" in n or "delta_chunk_scan_kernel" in n for n in names[None])
+    if mode == "11":
+        assert all(torch.equal(a, b) for a, b in zip(outs[mode], outs[None])), "the knob unset is not 11"

@@ -262,7 +262,7 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 6, "the split forward delta_chunk_scan4_kernel + delta_chunk_out_kernel (bf16 h_c, U_c)", 12);
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 7, "the warp-specialized scan delta_chunk_scan5_kernel", 12);
     int64_t scan_mode = env_choice(op, "KDA_CUDA_CHUNK_SCAN", 0, kChunkScanModes);
-    if (scan_mode == 0) scan_mode = 8;
+    if (scan_mode == 0) scan_mode = 11;  // scan7 with U as bf16 hi + lo (session 12); elsewhere the single kernel
     const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N
                                       : static_cast<int64_t>(s.B) * ((s.T + kChunk - 1) / kChunk);
     TORCH_CHECK(mc < (1LL << 31), "[", op, "] too many chunks");
