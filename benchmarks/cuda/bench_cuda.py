@@ -13,9 +13,6 @@
     python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session10 --decode-only --sweep10 --batches 256,64
         # decode only, plus session 10's A/B rows in the same run (SWEEP10 below: KDA_CUDA_DEC_LEAN=1 against the
         # default kernels, LEAN with each cfg) and the same-size copy ceilings
-    python3 benchmarks/cuda/bench_cuda.py --prefix cuda_decode_session12 --decode-only --sweep12 --batches 256,64,1
-        # decode only, plus session 12's A/B rows (SWEEP12 below: KDA_CUDA_DEC_KF16=0..4 on K-first bf16 and fp16
-        # pools, in the order 0 1 2 3 4 4 3 2 1 0) and a summary against fla's fp32 row of the same run
 
 Decode: B in {1, 64, 256}, H=16, HV=32, K=V=128, one token, fp32 state read and written (fla: initial_state +
 output_final_state, as the anchors in shared/anchors measured it). Reported in ms eager (triton do_bench, median)
@@ -84,7 +81,7 @@ def timed(fn, graphs=True, eager=True, rep=None):
 DEC_VARIANTS = [(f"cfg{c}_stage{s}", {"KDA_CUDA_DECODE": "1", "KDA_CUDA_DEC_CFG": str(c), "KDA_CUDA_DEC_STAGE": str(s)})
                 for c in range(4) for s in (0, 1, 2)] + [("general", {"KDA_CUDA_DECODE": "0"})]
 DEC_ENV = ("KDA_CUDA_DECODE", "KDA_CUDA_DEC_CFG", "KDA_CUDA_DEC_STAGE", "KDA_CUDA_DEC_HINT", "KDA_CUDA_DEC_FUSE",
-           "KDA_CUDA_DEC_LEAN", "KDA_CUDA_DEC_KF16")
+           "KDA_CUDA_DEC_LEAN")
 
 
 def _v7(name):
@@ -115,33 +112,6 @@ SWEEP8 = [_v7(n) for n in ("s1", "s1_h0", "s1_h2", "s1_f1", "s1_h1")]
 # fp32 / V-first bf16). B < 256 gets the first SWEEP7_SMALL rows.
 # (LEAN=1 is the default since that run; its "s1" / "s1_c1" rows were the LEAN=0 kernels, spelled s1_l0 / s1_l0_c1 now.)
 SWEEP10 = [_v7(n) for n in ("s1_l0", "s1_l1", "s1_l2", "s1_l1_c1", "s1_l2_c1", "s1_l1_c0", "s1_l1_c2", "s1_l0_c1")]
-# session 12: KDA_CUDA_DEC_KF16 (delta_decode_kf16.cuh: K-first 2-byte pools, whole 128-byte rows per warp-wide copy;
-# 2: whole-row stores too; 3 / 4: as 1 / 2 with p reduce-scattered) against the default (kf0 = LEAN cfg 1), K-first
-# bf16 and fp16 pools only, CUDA graphs, in the order 0 1 2 3 4 4 3 2 1 0 (drift cancels in the mean of each pair)
-SWEEP12 = [(f"kf{v}", {"KDA_CUDA_DEC_KF16": v}) for v in "0123443210"]
-
-
-def summarize12(results):
-    """Session 12: per (family, B) fla 0.6.0's fp32 graph time over ours on K-first bf16 / fp16 pools for each
-    KDA_CUDA_DEC_KF16 value (the mean of its two rows), next to the V-first bf16 default row (issue #5: >= 1.8x)."""
-    for fam in ("kda", "gdn"):
-        for B in sorted({r["B"] for r in results if r.get("name") == f"{fam}_decode"}, reverse=True):
-            main = {r["impl"]: r for r in results if r.get("name") == f"{fam}_decode" and r["B"] == B}
-            fla = main.get("fla_0.6.0", {}).get("graph_ms")
-            rows = {}
-            for r in results:
-                if r.get("name") == f"{fam}_decode_sweep12" and r["B"] == B:
-                    rows.setdefault(r["impl"], []).append(r["graph_ms"])
-            out = {"name": f"{fam}_decode_sweep12_summary", "B": B, "fla_fp32_graph_ms": fla}
-            for impl, ms in sorted(rows.items()):
-                m = sum(ms) / len(ms)
-                out[impl] = round(m, 5)
-                if fla:
-                    out[impl + ":x_fla"] = round(fla / m, 3)
-            vf = main.get("ours_serve_bf16_pool_vfirst", {}).get("graph_ms")
-            if fla and vf:
-                out["vfirst_bf16_default:x_fla"] = round(fla / vf, 3)
-            rec(**out)
 
 
 def set_env(env, knobs=DEC_ENV):
@@ -159,7 +129,6 @@ def main():
     ap.add_argument("--sweep7", action="store_true")
     ap.add_argument("--sweep8", action="store_true", help="session 8's A/B rows (SWEEP8)")
     ap.add_argument("--sweep10", action="store_true", help="session 10's A/B rows (SWEEP10: KDA_CUDA_DEC_LEAN)")
-    ap.add_argument("--sweep12", action="store_true", help="session 12's A/B rows (SWEEP12: KDA_CUDA_DEC_KF16)")
     ap.add_argument("--rep", type=int, default=200, help="ms per measurement of the main rows")
     ap.add_argument("--sweep-rep", type=int, default=20, help="ms per measurement of a sweep row")
     ap.add_argument("--batches", default="1,64,256")
@@ -265,17 +234,6 @@ def main():
                         rec(name=f"{fam}_decode_sweep", impl=f"core_fwd:{vname}", B=B, graph_ms=round(gr, 5),
                             graph_TBps=round(fp32_bytes / gr / 1e9, 3))
                     set_env({})
-                if args.sweep12:  # KDA_CUDA_DEC_KF16 on K-first 2-byte pools, CUDA graphs only
-                    pool_h = h0.to(torch.float16)
-                    for vname, env in SWEEP12:
-                        set_env(env)
-                        for pname, pool in (("bf16_pool", pool16), ("fp16_pool", pool_h)):
-                            _, gr = timed(lambda: serve(q, k, v, g, beta32, scale, pool, idx, None, None, False),
-                                          eager=False, rep=args.sweep_rep)
-                            rec(name=f"{fam}_decode_sweep12", impl=f"serve_{pname}:{vname}", B=B,
-                                graph_ms=round(gr, 5), graph_TBps=round(bf16_bytes / gr / 1e9, 3))
-                    set_env({})
-                    del pool_h
                 if sweep_ab:  # session-7 / session-8 variants, CUDA graphs only
                     pools = (("fp32_pool", pool32, False, fp32_bytes), ("bf16_pool", pool16, False, bf16_bytes),
                              ("bf16_pool_vfirst", poolvf16, True, bf16_bytes),
@@ -319,9 +277,6 @@ def main():
                         set_env({})
             del h0, pool32, pool16, poolvf, poolvf16
             torch.cuda.empty_cache()
-
-    if args.sweep12:
-        summarize12(RES)
 
     # prefill / training shapes: recurrent fwd, fwd+bwd; fla chunk for reference
     for (B, T) in (() if args.decode_only else ((1, 8192), (8, 1024))):

@@ -5,9 +5,6 @@
 #pragma once
 
 #include "delta_host.cuh"
-#ifdef KDA_DEFINE_LAUNCH_DEC_FIXED
-#include "delta_decode_kf16.cuh"
-#endif
 
 namespace kda_kernels {
 namespace cuda {
@@ -59,10 +56,6 @@ template <bool PC, bool VF, typename S>
 void launch_dec_fixed(const FwdParams& p, int cfg, int stage, int var, cudaStream_t st) {
   constexpr int DH = dec_default_hint(static_cast<int>(sizeof(S)));
   constexpr int MB = dec_lean_minb(VF, static_cast<int>(sizeof(S)));
-  if constexpr (!VF && sizeof(S) == 2) {  // KDA_CUDA_DEC_KF16 (choose_dec sets it only for K-first 2-byte pools)
-    if (var >= kDecVarKf16 && var < kDecVarKf16 + kDecKf16Modes)
-      return launch_dec_kf16<PC, S>(p, var - kDecVarKf16 + 1, st);
-  }
   if constexpr (MB != 0) {
     if (stage == 1 && var == kDecVarLeanOcc) {
       switch (cfg) {
@@ -143,9 +136,6 @@ bool launch_dec(FwdParams& p, int kmax, cudaStream_t st) {
   // LEAN indexes items with 32-bit unsigned math (at most 128 / 4 = 32 slices per head)
   const bool lean = c.var == kDecVarLean || c.var == kDecVarLeanOcc;
   if (lean && static_cast<int64_t>(p.N) * p.HV * 32 >= (int64_t{1} << 31)) c.var = kDecVarDefault;
-  // KDA_CUDA_DEC_KF16: 2 blocks per (sequence, head), 32-bit block indices
-  const bool kf16 = c.var >= kDecVarKf16 && c.var < kDecVarKf16 + kDecKf16Modes;
-  if (kf16 && static_cast<int64_t>(p.N) * p.HV * 2 >= (int64_t{1} << 31)) c.var = kDecVarDefault;
   d.dec_flags = c.flags;
   if (p.K == 128 && p.V == 128 && d.vec && d.tvec && d.vvec) {
     launch_dec_fixed<PC, VF, S>(d, c.cfg, c.stage, c.var, st);

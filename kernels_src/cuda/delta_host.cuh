@@ -211,14 +211,7 @@ inline int choose_fwd_cw(int N, int HV, int V, int kmax, bool v_first) {
 // o; see delta_decode_kernel), every cfg;
 // KDA_CUDA_DEC_LEAN=2: the same with more blocks per SM (dec_lean_minb: fp32 states 10, K-first 2-byte states 9;
 // V-first 2-byte states as =1).
-// KDA_CUDA_DEC_KF16=1..4 (session 12, off by default): K-first 2-byte (bf16/fp16) pools with K = V = 128 run
-// delta_decode_kf16_kernel (delta_decode_kf16.cuh: blocks of 4 one-warp items whose 128 x 64 state tile is copied
-// as whole 128-byte rows; =2 also stores whole rows from shared memory; =3 / =4 as 1 / 2 with p reduce-scattered),
-// whatever the cfg / stage / LEAN knobs say; 0 or unset: the kernels above. Other pools and shapes ignore it; any
-// other value is an error.
-constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4,
-              kDecVarKf16 = 5;  // kDecVarKf16 + m - 1: KDA_CUDA_DEC_KF16=m (1..4)
-constexpr int kDecKf16Modes = 4;
+constexpr int kDecVarDefault = 0, kDecVarRuntimeHint = 1, kDecVarFuse = 2, kDecVarLean = 3, kDecVarLeanOcc = 4;
 struct DecChoice {
   int cfg;    // 0..3, see dec_cw / dec_wk
   int stage;  // 0 registers, 1 shared memory via cp.async, 2 the same with 2 items per warp (K = V = 128 only)
@@ -250,14 +243,6 @@ inline DecChoice choose_dec(int N, int HV, bool v_first, int esize) {
           : hint >= 0                            ? kDecVarRuntimeHint
           : lean == 0                            ? kDecVarDefault
                                                  : kDecVarLean;
-  const char* kf16s = std::getenv("KDA_CUDA_DEC_KF16");
-  const std::string kf16v = kf16s ? kf16s : "";
-  TORCH_CHECK(kf16v.empty() || (kf16v.size() == 1 && kf16v[0] >= '0' && kf16v[0] <= '0' + kDecKf16Modes),
-              "KDA_CUDA_DEC_KF16=", kf16v, " is not a valid value: 0 (or unset) the default decode kernels, 1 the "
-              "K-first 2-byte-pool kernel (delta_decode_kf16.cuh), 2 the same with whole-row stores, 3 / 4 as 1 / 2 "
-              "with p reduce-scattered");
-  const int kf16 = kf16v.empty() ? 0 : kf16v[0] - '0';
-  if (!v_first && esize == 2 && kf16 != 0) c.var = kDecVarKf16 + kf16 - 1;
   return c;
 }
 
