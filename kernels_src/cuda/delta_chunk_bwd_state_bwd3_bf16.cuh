@@ -12,7 +12,7 @@
 //
 // k order inside a k16 step of the products over the chunk's tokens (dO, dU as B): the fragment's k slots 2t, 2t + 1,
 // 2t + 8, 2t + 9 of lane (g, t) hold physical k = t, t + 4, t + 8, t + 12 (a permutation of the contraction index,
-// the same for A and B), so every shared address a lane reads is one the tf32 kernel reads in its two k8 steps:
+// the same for A and B), so the B reads of dO / dU hit the addresses the tf32 kernel reads in its two k8 steps:
 //   a0 = (A[g][t], A[g][t+4]), a1 = (A[g+8][t], A[g+8][t+4]), a2 = (A[g][t+8], A[g][t+12]), a3 = (A[g+8][t+8], ..)
 //   b0 = (B[t][g], B[t+4][g]), b1 = (B[t+8][g], B[t+12][g])        (low half first)
 // (K Eend dS1 takes physical k 4t .. 4t + 3 instead: see the kernel.) The two products with dO share their B
