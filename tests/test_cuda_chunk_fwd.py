@@ -16,9 +16,10 @@ The scan is delta_chunk_scan7_kernel<KP, true> (KDA_CUDA_CHUNK_SCAN=11, the defa
 where the workspace is bf16, V <= 256 and the GPU is sm_90+ (every bf16/fp16 test above runs it; fp32 inputs and
 KDA_CUDA_CHUNK_WS_BF16=0 run the single kernel delta_chunk_scan_kernel). test_chunk_fwd_single_scan runs the single
 kernel (KDA_CUDA_CHUNK_SCAN=1, the path of pre-Hopper GPUs) against the float64 reference. Retired in session 12:
-the bulk-prefetch scan (=4), the split forward (=5 / 6) and scan5 (=7), with their tests (test_chunk_fwd_scan3,
-test_chunk_scan3_vs_single, test_chunk_fwd_split*, test_chunk_split_vs_scan3, test_chunk_fwd_scan5,
-test_chunk_scan5_vs_scan3*); their values are refused like the earlier ones, and values no kernel ever had, of
+the bulk-prefetch scan (=4), the split forward (=5 / 6), scan5 (=7) and scan6 (=8), with their tests
+(test_chunk_fwd_scan3, test_chunk_scan3_vs_single, test_chunk_fwd_split*, test_chunk_split_vs_scan3,
+test_chunk_fwd_scan5, test_chunk_scan5_vs_scan3*, tests/test_cuda_scan6.py); their values are refused like the
+earlier ones, and values no kernel ever had, of
 these knobs and of KDA_CUDA_CHUNK_WS_BF16 / KDA_CUDA_CHUNK_BV / KDA_CUDA_CHUNK_FWD, raise an error naming the knob
 and its accepted values (test_unknown_fwd_knob_values_are_refused).
 """
@@ -171,10 +172,10 @@ def test_chunk_fwd_all_empty_varlen(family):
     assert torch.equal(s, h0)
 
 
-@pytest.mark.parametrize("scan", ["single", "scan6"])
+@pytest.mark.parametrize("scan", ["single", "scan7"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_chunk_fwd_cuda_graph(family, scan, monkeypatch):
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1" if scan == "single" else "8")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "1" if scan == "single" else "11")
     q, k, v, g, beta = make(family, B=1, T=300, H=2, HV=4)
     cu = torch.tensor([0, 100, 100, 300], dtype=torch.long, device=DEV)
     fn = getattr(OPS, f"{family}_chunk_fwd")
@@ -225,8 +226,9 @@ RETIRED_FWD = [("kda", "KDA_CUDA_KDA_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "
                ("gdn", "KDA_CUDA_GDN_PREP", "0"), ("kda", "KDA_CUDA_KDA_PREP", "4"), ("kda", "KDA_CUDA_KDA_PREP", "5"),
                ("gdn", "KDA_CUDA_GDN_PREP", "1"), ("kda", "KDA_CUDA_KDA_PREP", "2"),
                ("kda", "KDA_CUDA_CHUNK_SCAN", "9"), ("gdn", "KDA_CUDA_CHUNK_SCAN", "9")]
-# session 12: the bulk-prefetch scan (4), the split forward (5 / 6), scan5 (7)
-RETIRED_FWD += [(family, "KDA_CUDA_CHUNK_SCAN", value) for value in ("4", "5", "6", "7") for family in ("kda", "gdn")]
+# session 12: the bulk-prefetch scan (4), the split forward (5 / 6), scan5 (7), scan6 (8)
+RETIRED_FWD += [(family, "KDA_CUDA_CHUNK_SCAN", value) for value in ("4", "5", "6", "7", "8")
+                for family in ("kda", "gdn")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -241,7 +243,7 @@ def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeyp
 
 
 # values no kernel has (typos, text): refused with the knob's name, the value and the accepted values (env_choice in
-# delta_host.cuh) instead of silently running the default. Accepted: KDA_CUDA_CHUNK_SCAN 0 (unset), 1, 8 and any
+# delta_host.cuh) instead of silently running the default. Accepted: KDA_CUDA_CHUNK_SCAN 0 (unset), 1, 10, 11 and any
 # value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3; KDA_CUDA_GDN_PREP 2;
 # KDA_CUDA_CHUNK_WS_BF16 0, 1; KDA_CUDA_CHUNK_BV 0, 16, 32; KDA_CUDA_CHUNK_FWD 0, 1.
 UNKNOWN_FWD = [("KDA_CUDA_CHUNK_SCAN", "99"), ("KDA_CUDA_CHUNK_SCAN", "-3"), ("KDA_CUDA_CHUNK_SCAN", "scan6"),
@@ -289,7 +291,7 @@ def test_accepted_fwd_knob_values_run(family, monkeypatch):
             monkeypatch.delenv(key)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=None)
-    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "8"}, {"KDA_CUDA_CHUNK_SCAN": "10"},
+    for env in ({"KDA_CUDA_CHUNK_SCAN": "1"}, {"KDA_CUDA_CHUNK_SCAN": "10"},
                 {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "16"},
                 {"KDA_CUDA_CHUNK_SCAN": "1", "KDA_CUDA_CHUNK_BV": "0"}, {"KDA_CUDA_CHUNK_WS_BF16": "0"},
                 {"KDA_CUDA_CHUNK_FWD": "0"}):

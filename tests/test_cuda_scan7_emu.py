@@ -1,5 +1,5 @@
-"""CPU emulation of the index math of the bf16-operand scan delta_chunk_scan7_kernel<KP, UHL> (KDA_CUDA_CHUNK_SCAN=10 /
-11, opt-in; kernels_src/cuda/delta_chunk_scan7.cuh), lane by lane, for one chunk step:
+"""CPU emulation of the index math of the bf16-operand scan delta_chunk_scan7_kernel<KP, UHL> (KDA_CUDA_CHUNK_SCAN=11,
+the default since session 12, and 10; kernels_src/cuda/delta_chunk_scan7.cuh), lane by lane, for one chunk step:
   - the m16n8k16 A fragments made from two of the workspace's bf16 fragment tiles by byte permutes (afrag16) under
     scan7's k order (slot 2t <- 16s + t, 2t+1 <- 16s + t + 8, 2t+8 <- 16s + t + 4, 2t+9 <- 16s + t + 12);
   - h_c / U_c as row-pair words (rows r, r + 8) in shared memory, written from accumulator tiles (s7_put_tile) and
@@ -12,18 +12,34 @@
   - the shared-memory bank pattern of the B reads and the tile stores (conflict-free).
 Values are carried exactly (float64; the bf16 rounding is not emulated, only where each element goes), compared
 with float64 matrix products. Deliberate mutations of the index math must fail. Runs without a GPU; the CUDA code is
-tested by tests/test_cuda_scan7.py on a GPU.
+tested by tests/test_cuda_scan7.py on a GPU; the h_c / U_c handoff is emulated by tests/test_cuda_scan7_handoff_emu.py.
 """
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_cuda_scan6_emu import GQ, T4, to_frag  # noqa: E402
-
 C = 64
+LANES = np.arange(32)
+GQ, T4 = LANES >> 2, LANES & 3
+
+
+def frag_index(r, c, KD):
+    """frag_index<KD> (delta_chunk_fwd.cuh): element (r, c) of a row-major [R x KD] A operand in fragment order.
+    (From tests/test_cuda_scan6_emu.py, removed with scan6 in session 12.)"""
+    rr, cc = r & 15, c & 7
+    lane = ((rr & 7) << 2) | (cc & 3)
+    slot = (rr >> 3) | ((cc >> 2) << 1)
+    return ((((r >> 4) * (KD // 8) + (c >> 3)) << 5) + lane) * 4 + slot
+
+
+def to_frag(M, KD):
+    """A row-major [R x KD] matrix in fragment order (the workspace sections w, q~, k~^T, A~)."""
+    R = M.shape[0]
+    out = np.full(R * KD, np.nan)
+    for r in range(R):
+        for c in range(KD):
+            out[frag_index(r, c, KD)] = M[r, c]
+    return out
+
 LDW = 40  # kScan7LDW
 NAN2 = (np.nan, np.nan)
 

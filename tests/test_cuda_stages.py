@@ -172,19 +172,20 @@ def test_kda_bwd_prep4_matches_prep2(case, dtype, monkeypatch):
         assert differ, f"KDA_CUDA_CHUNK_BWD_PREP={version} gave bit-identical prep outputs: the knob had no effect?"
 
 
-@pytest.mark.parametrize("mode", ["1", "8"], ids=["single", "scan6"])
+@pytest.mark.parametrize("mode", ["1", "11"], ids=["single", "scan7"])
 @pytest.mark.parametrize("case", ["T200_h0", "varlen_empty", "gva_correlated", "odd_dims"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_fwd_stages_match_one_call_scan_knob(family, case, mode, monkeypatch):
-    """Stage 1 with the scan KDA_CUDA_CHUNK_SCAN chose at stage 0 (1: the single kernel, 8: scan6) gives the one-call
-    op's result with the same knob, even when the knob changes between the stages (stage 0 records the choice in
-    the work list). (Until session 12 this ran the split forward, 5 / 6, and scan5, 7: retired.)"""
+    """Stage 1 with the scan KDA_CUDA_CHUNK_SCAN chose at stage 0 (1: the single kernel, 11: scan7, the default)
+    gives the one-call op's result with the same knob, even when the knob changes between the stages (stage 0 records
+    the choice in the work list; under 11 its prep also wrote w as bf16 for scan7). (Until session 12 this ran the
+    split forward, 5 / 6, scan5, 7, and scan6, 8: retired.)"""
     monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", mode)
     x, h0, cu, _, _ = _inputs(family, case, torch.bfloat16)
     o1, f1 = getattr(OPS, f"{family}_chunk_fwd")(*x, h0, cu)
     stage = getattr(OPS, f"{family}_chunk_fwd_stage")
     work = stage([], 0, *x, None, cu)
-    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "8" if mode == "1" else "1")
+    monkeypatch.setenv("KDA_CUDA_CHUNK_SCAN", "11" if mode == "1" else "1")
     o2, f2 = stage(work, 1, *x, h0, cu)
     torch.cuda.synchronize()
     assert _rel(o2, o1) <= 1e-6 and _rel(f2, f1) <= 1e-6, (_rel(o2, o1), _rel(f2, f1))

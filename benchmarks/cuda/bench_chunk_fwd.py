@@ -8,10 +8,11 @@ chunk_gated_delta_rule, side by side in one process on one GPU, bf16 q/k/v, K=V=
         # defaults are left (KDA 3, GDN 2): the generic prep for 16-bit inputs (0) and the KDA v1 prep (1) were
         # retired in session 9, KDA's v3 (4, 5) in session 10, KDA's prep2 without the 8x8 split (2) and the GDN v1
         # prep (GDN 1) in session 11 -- those values raise an error; the option stays for the next candidate
-    BENCH_CHUNK_SCAN=1,8 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
-        # the single scan kernel (1) and scan6 (8, the default since session 11; 0: the default choice) in one
-        # process (KDA_CUDA_CHUNK_SCAN). The bulk-prefetch scan (4), the split forward (5 / 6) and scan5 (7) were
-        # retired in session 12, scan6 with warp pairs (9) in session 11: those values raise an error
+    BENCH_CHUNK_SCAN=1,10,11 BENCH_NO_FLA=1 python3 benchmarks/cuda/bench_chunk_fwd.py
+        # the single scan kernel (1) and scan7 (11, U as bf16 hi + lo, the default since session 12; 10, U plain
+        # bf16; 0: the default choice) in one process (KDA_CUDA_CHUNK_SCAN). The bulk-prefetch scan (4), the split
+        # forward (5 / 6), scan5 (7) and scan6 (8) were retired in session 12, scan6 with warp pairs (9) in session
+        # 11: those values raise an error
 
 Shapes: B1 T8192 H16 HV32; B1 T32768 H16 HV32; B4 T4096 H=HV=32; varlen 16 sequences of 64..8192 tokens (H16 HV32).
 Each is timed eager (triton do_bench, median) and under CUDA graphs (do_bench_cudagraph), initial state none,
@@ -132,7 +133,7 @@ def main():
     preps = {"gdn": os.environ.get("BENCH_GDN_PREP"),  # KDA_CUDA_GDN_PREP values in turn (2: v2, the default)
              "kda": os.environ.get("BENCH_KDA_PREP")}  # the same for KDA_CUDA_KDA_PREP (3: the default)
     runs = [(f, x) for f in families for x in (preps.get(f).split(",") if preps.get(f) else [None])]
-    # e.g. "1,8": KDA_CUDA_CHUNK_SCAN values (0 the default choice, 1 single, 8 scan6)
+    # e.g. "1,11": KDA_CUDA_CHUNK_SCAN values (0 the default choice, 1 single, 10 / 11 scan7)
     scans = os.environ.get("BENCH_CHUNK_SCAN")
     runs = [(f, x, sc) for f, x in runs for sc in (scans.split(",") if scans else [None])]
     for name, B, T, H, HV, lens in shapes:

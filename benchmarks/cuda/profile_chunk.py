@@ -51,9 +51,10 @@ def kernel_times(fn, reps=5):
 # (option, environment variable, phase, row name prefix, KDA only (True; "gdn": GDN only), what the values select)
 KNOB_SWEEPS = [
     ("--scans", "KDA_CUDA_CHUNK_SCAN", "fwd", "fwd_scan", False,
-     "1 single kernel, 8 scan6 (the default since session 11: warp-specialized, recurrence and output warps in one "
-     "block; 4 the bulk-prefetch scan3, 5 / 6 the split forward, 7 scan5, 9 scan6 with warp pairs: retired in "
-     "sessions 11 and 12, refused)"),
+     "1 single kernel, 11 scan7 with U as bf16 hi + lo (the default since session 12: warp-specialized, recurrence "
+     "and output warps in one block, bf16 m16n8k16 operands), 10 scan7 with U plain bf16 (4 the bulk-prefetch "
+     "scan3, 5 / 6 the split forward, 7 scan5, 8 scan6, 9 scan6 with warp pairs: retired in sessions 11 and 12, "
+     "refused)"),
     # (--kda-prep / --gdn-prep: KDA_CUDA_KDA_PREP / KDA_CUDA_GDN_PREP have only their defaults left since session
     # 11, KDA 3 and GDN 2; the other values' kernels were retired and are refused)
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
@@ -61,7 +62,8 @@ KNOB_SWEEPS = [
      "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
-     "bf16/fp16 inputs, 9 / 10 it with bf16 operands (m16n8k16; 10 with 16-byte A-operand reads; session 12)"),
+     "bf16/fp16 inputs, 10 it with bf16 operands (m16n8k16 with 16-byte A-operand reads; session 12; 9, the same "
+     "with 4-byte reads, and 5 / 6: retired, refused)"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),

@@ -27,7 +27,7 @@ step_tests() {
   grep -E "passed|failed|error|FAILED|ERROR" "$OUT/tests.log" | tail -25
 }
 step_profile() {
-  timeout 60 python3 benchmarks/cuda/profile_chunk.py --scans 1,8 --bwd-gva 1 > "$OUT/kernel_times.json" \
+  timeout 60 python3 benchmarks/cuda/profile_chunk.py --scans 1,11 --bwd-gva 1 > "$OUT/kernel_times.json" \
     2> "$OUT/kernel_times.err"
 }
 step_fwd() {

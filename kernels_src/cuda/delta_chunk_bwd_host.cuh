@@ -115,16 +115,18 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
     // dh0 at most 4.2e-4 (bound 0.02): benchmarks/cuda/bwd_accuracy.py), 3 = it with 3xTF32 (about fp32; 1.19 vs
     // state_bwd2's 1.94 ms, session 6; delta_chunk_bwd_state_bwd3.cuh), 2 = the fp32 SIMT state_bwd2 (always for
-    // fp32 inputs), 9 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS; session 12,
-    // delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in until measured), 10 = the same with 16-byte A-operand reads
+    // fp32 inputs), 10 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS, 16-byte A-operand
+    // reads; session 12, delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in: 0.747 vs 0.850 ms at B1 T8192 H16 HV32 on the
+    // H200, but ~10x the dbeta / dh0 error, within DESIGN.md section 6). Retired in session 12: 9, the same with
+    // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10).
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 9,
+                   "state_bwd3_bf16_kernel with 4-byte fragment reads (=10 is the same numerics, faster)", 12);
     c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
-    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 9 ||
-                    c[kCfgStateBwd] == 10,
+    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 10,
                 "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the "
-                "default, tf32), 3 (3xTF32), 9 / 10 (bf16 operands / with 16-byte A reads) or 2 (fp32 SIMT), or "
-                "unset it");
+                "default, tf32), 3 (3xTF32), 10 (bf16 operands) or 2 (fp32 SIMT), or unset it");
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -241,10 +243,10 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// state_bwd3 with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_BWD=9 / 10): defined and instantiated in
+// state_bwd3 with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_BWD=10): defined and instantiated in
 // delta_chunk_bwd_state_bwd3_bf16.cu (its own translation unit: this file's kernels compile as without it)
 template <bool PC>
-void launch_state_bwd3_bf16(const chunk_bwd::Params& p, bool vec, dim3 grid, cudaStream_t st);
+void launch_state_bwd3_bf16(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st);
 
 // Stage state_bwd: the chunk-end state gradients backwards from grad_final_state (p.dht); writes p.dh0.
 template <bool PC>
@@ -260,9 +262,9 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
-  } else if ((mode == 9 || mode == 10) && p.in_dtype != kF32) {
-    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid; 10: its 16-byte A reads
-    launch_state_bwd3_bf16<PC>(p, mode == 10, gseq, st);
+  } else if (mode == 10 && p.in_dtype != kF32) {
+    // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid
+    launch_state_bwd3_bf16<PC>(p, gseq, st);
   } else {
     cb::state_bwd2_kernel<PC><<<gseq, cb::NT2, cb::kStateBwd2Smem, st>>>(p);
   }

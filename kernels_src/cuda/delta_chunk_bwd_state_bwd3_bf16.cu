@@ -1,7 +1,8 @@
-// state_bwd3 with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_BWD=9 / 10; delta_chunk_bwd_state_bwd3_bf16.cuh) in its
-// own translation unit: kda_chunk_bwd.cu / gdn_chunk_bwd.cu call launch_state_bwd3_bf16 (declared in
+// state_bwd3 with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_BWD=10; delta_chunk_bwd_state_bwd3_bf16.cuh) in its own
+// translation unit: kda_chunk_bwd.cu / gdn_chunk_bwd.cu call launch_state_bwd3_bf16 (declared in
 // delta_chunk_bwd_host.cuh) and do not compile the kernel, so their device code -- the default kernels -- is
 // unchanged (ptxas scheduled two of their kernels slightly differently when these instances shared the module).
+// (=9, the variant with 4-byte fragment reads, was retired in session 12.)
 #include "delta_chunk_bwd_state_bwd3_bf16.cuh"
 #include "delta_host.cuh"
 
@@ -9,19 +10,18 @@ namespace kda_kernels {
 namespace cuda {
 
 template <bool PC>
-void launch_state_bwd3_bf16(const chunk_bwd::Params& p, bool vec, dim3 grid, cudaStream_t st) {
+void launch_state_bwd3_bf16(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st) {
   namespace cb = chunk_bwd;
-  constexpr size_t sm9 = cb::state_bwd3_bf16_smem<false>(), sm10 = cb::state_bwd3_bf16_smem<true>();
+  constexpr size_t bytes = cb::kStateBwd3Bf16Smem;
   // (the chunked backward checks the device for kGradSmem per block before its first stage)
-  static_assert(sm9 <= cb::kGradSmem && sm10 <= cb::kGradSmem, "state_bwd3_bf16 exceeds kGradSmem");
-  auto kern = vec ? cb::state_bwd3_bf16_kernel<PC, true> : cb::state_bwd3_bf16_kernel<PC, false>;
-  const size_t bytes = vec ? sm10 : sm9;
+  static_assert(bytes <= cb::kGradSmem, "state_bwd3_bf16 exceeds kGradSmem");
+  auto kern = cb::state_bwd3_bf16_kernel<PC>;
   allow_dynamic_smem(kern, bytes);
   kern<<<grid, cb::kSb3Threads, bytes, st>>>(p);
 }
 
-template void launch_state_bwd3_bf16<true>(const chunk_bwd::Params&, bool, dim3, cudaStream_t);
-template void launch_state_bwd3_bf16<false>(const chunk_bwd::Params&, bool, dim3, cudaStream_t);
+template void launch_state_bwd3_bf16<true>(const chunk_bwd::Params&, dim3, cudaStream_t);
+template void launch_state_bwd3_bf16<false>(const chunk_bwd::Params&, dim3, cudaStream_t);
 
 }  // namespace cuda
 }  // namespace kda_kernels

@@ -1,8 +1,8 @@
-// state_bwd3 with bf16 tensor-core operands (session 12, branch sbwd12; KDA_CUDA_CHUNK_BWD_STATE_BWD=9 / 10, off by
+// state_bwd3 with bf16 tensor-core operands (session 12, branch sbwd12; KDA_CUDA_CHUNK_BWD_STATE_BWD=10, off by
 // default; instantiated only in delta_chunk_bwd_state_bwd3_bf16.cu): the chunk-end state gradients of the chunked
-// backward for bf16/fp16 inputs, the kernel of delta_chunk_bwd_state_bwd3.cuh (same Params, buffers, shared layout
-// Sb3Smem, cp.async prefetch schedule, barriers, warp tiling and outputs dhs / dU / dh0, all fp32; =10 changes the
-// layout, see SbbSmem) with its products as mma.sync m16n8k16 bf16 with fp32 accumulators instead of m16n8k8 tf32:
+// backward for bf16/fp16 inputs, the kernel of delta_chunk_bwd_state_bwd3.cuh (same Params, buffers, cp.async
+// prefetch schedule, barriers, warp tiling and outputs dhs / dU / dh0, all fp32; its own shared layout SbbSmem for
+// 16-byte A reads) with its products as mma.sync m16n8k16 bf16 with fp32 accumulators instead of m16n8k8 tf32:
 // half the mma instructions and one cvt (cvt.rn.bf16x2.f32) per two operand elements instead of one per element. dS
 // stays fp32 in registers and is carried in fp32; only its operand copy (the B operand of K Eend dS1, read from the
 // fp32 shared copy) is rounded to bf16, as are every other operand (A_qk, Q Gam, K Eend, w: fp32 in shared memory,
@@ -10,13 +10,14 @@
 // attention's precision regime for the dh recurrence (bf16 operands, fp32 accumulation); DESIGN.md section 6's
 // bf16/fp16 tolerances are the bound (tests/test_cuda_state_bwd_bf16.py).
 //
-// k order inside a k16 step: the fragment's k slots 2t, 2t + 1, 2t + 8, 2t + 9 of lane (g, t) hold physical
-// k = t, t + 4, t + 8, t + 12 (a permutation of the contraction index, the same for A and B), so every shared
-// address a lane reads is one the tf32 kernel reads in its two k8 steps (same padded strides, conflict-free), and
-// a register packs (phys t, phys t + 4) = (the tf32 kernel's a0, a2) etc.:
+// k order inside a k16 step of the products over the chunk's tokens (dO, dU as B): the fragment's k slots 2t, 2t + 1,
+// 2t + 8, 2t + 9 of lane (g, t) hold physical k = t, t + 4, t + 8, t + 12 (a permutation of the contraction index,
+// the same for A and B), so the B reads of dO / dU hit the addresses the tf32 kernel reads in its two k8 steps:
 //   a0 = (A[g][t], A[g][t+4]), a1 = (A[g+8][t], A[g+8][t+4]), a2 = (A[g][t+8], A[g][t+12]), a3 = (A[g+8][t+8], ..)
 //   b0 = (B[t][g], B[t+4][g]), b1 = (B[t+8][g], B[t+12][g])        (low half first)
-// The two products with dO share their B fragments (one loop).
+// (K Eend dS1 takes physical k 4t .. 4t + 3 instead: see the kernel.) The two products with dO share their B
+// fragments (one loop). Retired in session 12: =9, the same kernel with state_bwd3's 4-byte fragment reads and
+// shared layout (0.755 ms against this one's 0.747, the same numerics; docs/cuda.md, "Retired kernels").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,13 +42,12 @@ __device__ __forceinline__ void sbb_mma(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Shared layout in floats: Sb3Smem's for VEC = false; VEC = true pads K Eend rows to KP + 16 (its 16-byte fragment
-// reads: quarter-warp lanes (g, t) of g = 0, 1 at banks 16 g + 4 t.., conflict-free) and the dS copy's rows to
-// VS + 10 (B reads of rows 4 t + m: banks 8 t + g, conflict-free).
-template <bool VEC>
+// Shared layout in floats: Sb3Smem's with K Eend rows padded to KP + 16 (its 16-byte fragment reads: quarter-warp
+// lanes (g, t) of g = 0, 1 at banks 16 g + 4 t.., conflict-free) and the dS copy's rows to VS + 10 (B reads of rows
+// 4 t + m: banks 8 t + g, conflict-free).
 struct SbbSmem {
-  static constexpr int ldke = VEC ? KP + 16 : kSb3LdKe;
-  static constexpr int ldd = VEC ? VS + 10 : kSb3LdB;
+  static constexpr int ldke = KP + 16;
+  static constexpr int ldd = VS + 10;
   static constexpr int kend = 0;                         // [2][CH][ldke]
   static constexpr int w = kend + 2 * CH * ldke;         // [2][CH][kSb3LdT]
   static constexpr int qg = w + 2 * CH * kSb3LdT;        // [CH][kSb3LdT]
@@ -59,18 +59,16 @@ struct SbbSmem {
   static_assert(w % 4 == 0 && qg % 4 == 0 && aqk % 4 == 0 && gl % 4 == 0 && ds % 4 == 0 && ou % 4 == 0,
                 "16-byte cp.async / vector destinations");
 };
-static_assert(SbbSmem<false>::floats == Sb3Smem::floats && SbbSmem<false>::ou == Sb3Smem::ou, "VEC = false is Sb3Smem");
-template <bool VEC>
-constexpr size_t state_bwd3_bf16_smem() { return SbbSmem<VEC>::floats * sizeof(float); }
+constexpr size_t kStateBwd3Bf16Smem = SbbSmem::floats * sizeof(float);
 
-// VEC = false: the fragment reads of state_bwd3 (one 4-byte read per operand element). VEC = true: 16-byte reads of
-// the A operands K Eend, Q Gam and w (a quarter of the read instructions), by (i) dS rows permuted inside each warp's
-// 32: the accumulator row g (+ 8 h) of tile mt is dS row 32 wi + 4 g + 2 mt + h, so a lane's four dS rows are
-// adjacent and one float4 of a Q Gam / w row holds them; (ii) the k16 steps of K Eend dS1 taking slots 2t, 2t+1,
-// 2t+8, 2t+9 as physical k 4t .. 4t+3 (one float4 of a K Eend row; the dS copy's B reads follow).
-template <bool PC, bool VEC>
+// 16-byte reads of the A operands K Eend, Q Gam and w (a quarter of state_bwd3's 4-byte fragment reads), by (i) dS
+// rows permuted inside each warp's 32: the accumulator row g (+ 8 h) of tile mt is dS row 32 wi + 4 g + 2 mt + h, so
+// a lane's four dS rows are adjacent and one float4 of a Q Gam / w row holds them; (ii) the k16 steps of K Eend dS1
+// taking slots 2t, 2t+1, 2t+8, 2t+9 as physical k 4t .. 4t+3 (one float4 of a K Eend row; the dS copy's B reads
+// follow).
+template <bool PC>
 __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params p) {
-  using L = SbbSmem<VEC>;
+  using L = SbbSmem;
   constexpr int LDD = L::ldd, LDKE = L::ldke;
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
   extern __shared__ __align__(16) float sm[];
@@ -82,7 +80,6 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
   const int gq = lane >> 2, t4 = lane & 3;
   const int cw = 16 * wc;        // the warp's first column in the block's VS
-  const int r0 = 32 * wi + gq;   // the warp's first dS row (tile mt: + 16 mt, second half + 8)
   const int u0 = 16 * wi + gq;   // the warp's first dU row (second half + 8)
   const int K = p.K, V = p.V, HV = p.HV;
   const float scale = p.scale;
@@ -94,7 +91,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
   seq_bounds(p.cu, n, p.T, bos, len);
 
   // dS: ds[mt][nt][e] at row srow(mt, e / 2), column cw + 8 nt + 2 t4 + e % 2 (+ v0 in V)
-  auto srow = [&](int mt, int h) { return VEC ? 32 * wi + 4 * gq + 2 * mt + h : r0 + 16 * mt + 8 * h; };
+  auto srow = [&](int mt, int h) { return 32 * wi + 4 * gq + 2 * mt + h; };
   float ds[2][2][4];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -180,26 +177,15 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
   // A fragments of the transposed Q Gam / w tile x ([CH][kSb3LdT]: A(i, t) = x[t][i]) for both row tiles mt at k16
   // step base t0 = 16 ks + t4
   auto afrag_t = [&](const float* x, int t0, uint32_t (&a)[2][4]) {
-    if constexpr (VEC) {
-      const float* xa = x + t0 * kSb3LdT + 32 * wi + 4 * gq;  // dS rows srow(mt, h) = 32 wi + 4 gq + 2 mt + h
-      const float4 v0 = *reinterpret_cast<const float4*>(xa);
-      const float4 v1 = *reinterpret_cast<const float4*>(xa + 4 * kSb3LdT);
-      const float4 v2 = *reinterpret_cast<const float4*>(xa + 8 * kSb3LdT);
-      const float4 v3 = *reinterpret_cast<const float4*>(xa + 12 * kSb3LdT);
-      a[0][0] = sbb_pack(v0.x, v1.x); a[0][1] = sbb_pack(v0.y, v1.y);
-      a[0][2] = sbb_pack(v2.x, v3.x); a[0][3] = sbb_pack(v2.y, v3.y);
-      a[1][0] = sbb_pack(v0.z, v1.z); a[1][1] = sbb_pack(v0.w, v1.w);
-      a[1][2] = sbb_pack(v2.z, v3.z); a[1][3] = sbb_pack(v2.w, v3.w);
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const float* xa = x + r0 + 16 * mt;
-        a[mt][0] = sbb_pack(xa[t0 * kSb3LdT], xa[(t0 + 4) * kSb3LdT]);
-        a[mt][1] = sbb_pack(xa[t0 * kSb3LdT + 8], xa[(t0 + 4) * kSb3LdT + 8]);
-        a[mt][2] = sbb_pack(xa[(t0 + 8) * kSb3LdT], xa[(t0 + 12) * kSb3LdT]);
-        a[mt][3] = sbb_pack(xa[(t0 + 8) * kSb3LdT + 8], xa[(t0 + 12) * kSb3LdT + 8]);
-      }
-    }
+    const float* xa = x + t0 * kSb3LdT + 32 * wi + 4 * gq;  // dS rows srow(mt, h) = 32 wi + 4 gq + 2 mt + h
+    const float4 v0 = *reinterpret_cast<const float4*>(xa);
+    const float4 v1 = *reinterpret_cast<const float4*>(xa + 4 * kSb3LdT);
+    const float4 v2 = *reinterpret_cast<const float4*>(xa + 8 * kSb3LdT);
+    const float4 v3 = *reinterpret_cast<const float4*>(xa + 12 * kSb3LdT);
+    a[0][0] = sbb_pack(v0.x, v1.x); a[0][1] = sbb_pack(v0.y, v1.y);
+    a[0][2] = sbb_pack(v2.x, v3.x); a[0][3] = sbb_pack(v2.y, v3.y);
+    a[1][0] = sbb_pack(v0.z, v1.z); a[1][1] = sbb_pack(v0.w, v1.w);
+    a[1][2] = sbb_pack(v2.z, v3.z); a[1][3] = sbb_pack(v2.w, v3.w);
   };
 
   put_ds();
@@ -286,29 +272,16 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3_bf16_kernel(Params 
 #pragma unroll
       for (int ks = 0; ks < KP / 16; ++ks) {
         const int h = ks & 1;
-        uint32_t a[4];  // A(t, k) = K Eend[t, k], rows u0, u0 + 8
-        if constexpr (VEC) {  // physical k 16 ks + 4 t4 .. + 3
-          const int k0 = 16 * ks + 4 * t4;
-          const float4 x1 = *reinterpret_cast<const float4*>(ke + u0 * LDKE + k0);
-          const float4 x2 = *reinterpret_cast<const float4*>(ke + (u0 + 8) * LDKE + k0);
-          a[0] = sbb_pack(x1.x, x1.y); a[1] = sbb_pack(x2.x, x2.y);
-          a[2] = sbb_pack(x1.z, x1.w); a[3] = sbb_pack(x2.z, x2.w);
+        uint32_t a[4];  // A(t, k) = K Eend[t, k], rows u0, u0 + 8; physical k 16 ks + 4 t4 .. + 3
+        const int k0 = 16 * ks + 4 * t4;
+        const float4 x1 = *reinterpret_cast<const float4*>(ke + u0 * LDKE + k0);
+        const float4 x2 = *reinterpret_cast<const float4*>(ke + (u0 + 8) * LDKE + k0);
+        a[0] = sbb_pack(x1.x, x1.y); a[1] = sbb_pack(x2.x, x2.y);
+        a[2] = sbb_pack(x1.z, x1.w); a[3] = sbb_pack(x2.z, x2.w);
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const float* d = dss + k0 * LDD + cw + 8 * nt + gq;
-            sbb_mma(am[h][nt], a, sbb_pack(d[0], d[LDD]), sbb_pack(d[2 * LDD], d[3 * LDD]));
-          }
-        } else {  // physical k 16 ks + t4 + {0, 4, 8, 12}
-          const int k0 = 16 * ks + t4;
-          const float* k1 = ke + u0 * LDKE + k0;
-          const float* k2 = k1 + 8 * LDKE;
-          a[0] = sbb_pack(k1[0], k1[4]); a[1] = sbb_pack(k2[0], k2[4]);
-          a[2] = sbb_pack(k1[8], k1[12]); a[3] = sbb_pack(k2[8], k2[12]);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const float* d = dss + k0 * LDD + cw + 8 * nt + gq;
-            sbb_mma(am[h][nt], a, sbb_pack(d[0], d[4 * LDD]), sbb_pack(d[8 * LDD], d[12 * LDD]));
-          }
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* d = dss + k0 * LDD + cw + 8 * nt + gq;
+          sbb_mma(am[h][nt], a, sbb_pack(d[0], d[LDD]), sbb_pack(d[2 * LDD], d[3 * LDD]));
         }
       }
 #pragma unroll

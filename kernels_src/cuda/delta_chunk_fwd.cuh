@@ -15,10 +15,11 @@
 // as bf16, one uint2, for bf16/fp16 inputs: WsLayout).
 // Kernel 2 (delta_chunk_scan_kernel), one block per (sequence, value head, BV columns of V): the sequential scan
 // over the sequence's chunks with h (K x BV, fp32) held in registers (and a tf32 copy in shared memory).
-// Warp-specialized scan (delta_chunk_scan6.cuh, delta_chunk_scan6_kernel; the default where the workspace is bf16
-// and the GPU sm_90+, KDA_CUDA_CHUNK_SCAN=8): recurrence warps and output warps in one block, each chunk's operands
-// brought into shared memory by bulk copies two chunks ahead. (Retired in session 12: the bulk-prefetch scan
-// delta_chunk_scan3_kernel, the split forward delta_chunk_scan4 / delta_chunk_out and scan5; docs/cuda.md.)
+// Warp-specialized scan on bf16 operands (delta_chunk_scan7.cuh, delta_chunk_scan7_kernel; the default where the
+// workspace is bf16, V <= 256 and the GPU sm_90+, KDA_CUDA_CHUNK_SCAN=11): recurrence warps and output warps in one
+// block, each chunk's operands brought into shared memory by bulk copies two chunks ahead. (Retired in session 12:
+// the bulk-prefetch scan delta_chunk_scan3_kernel, the split forward delta_chunk_scan4 / delta_chunk_out, scan5 and
+// scan6, the tf32 warp-specialized scans; docs/cuda.md.)
 #pragma once
 
 #include "delta_common.cuh"
@@ -51,7 +52,7 @@ struct ChunkFwdParams {
   // workspace, one slice per (global chunk, value head); see ws_* offsets in chunk_ws_floats
   float* ws;
   int64_t ws_stride;  // floats per (chunk, head)
-  int scan;           // the scan (KDA_CUDA_CHUNK_SCAN, unset -> 8): 8 scan6 where it applies, 1 the single kernel
+  int scan;           // the scan (KDA_CUDA_CHUNK_SCAN, unset -> 11): 10 / 11 scan7 where it applies, 1 the single one
 };
 
 // Workspace slice of one (chunk, head), offsets in floats: w [64 x KP], qg [64 x KP], kgT [KP x 64], aqk [64 x 64]
@@ -753,7 +754,7 @@ __global__ void __launch_bounds__(kScanThreads) delta_chunk_scan_kernel(const Ch
       }
 }
 
-// ---- Shared-memory bulk copies and mbarriers (sm_90+; the scan delta_chunk_scan6_kernel) ----
+// ---- Shared-memory bulk copies and mbarriers (sm_90+; the scan delta_chunk_scan7_kernel) ----
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // sm_90+ PTX (bulk copies); the host checks
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -777,6 +778,10 @@ __device__ __forceinline__ void mbar_wait_parity(uint32_t bar, uint32_t parity) 
         : "r"(bar), "r"(parity)
         : "memory");
   } while (!done);
+}
+// A plain arrival (release at CTA scope) on an mbarrier.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // Global -> this CTA's shared memory; complete_tx on its mbarrier bar.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {

@@ -12,25 +12,26 @@
 // split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; since
 // session 12 any other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of
 // this file (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
-// The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 8):
-// 8 (the default since session 11) delta_chunk_scan6_kernel (delta_chunk_scan6.cuh) where it applies (bf16
-// workspace, V <= 256, sm_90+; session 11 candidate call, one H200: scan 0.300 vs scan5's 0.350 ms at B1 T8192 H16
-// HV32), elsewhere -- fp32 inputs / workspaces, V > 256, pre-sm_90 -- and for 1 the single kernel
+// The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 11):
+// 11 (the default since session 12) delta_chunk_scan7_kernel<KP, true> (delta_chunk_scan7.cuh) where it applies
+// (scan7_applies: bf16/fp16 inputs, bf16 workspace, V <= 256, sm_90+; session 12 candidate call, one H200: scan
+// 0.240 ms against scan6's 0.301 at B1 T8192 H16 HV32, the same accuracy): scan6's structure on bf16 m16n8k16
+// operands (w bf16 from the prep's WB instances, u0 fp32; h_c / U_c bf16 in shared memory, U as bf16 hi + lo; the
+// state fp32 in registers); 10 (opt-in) the same with U plain bf16 (0.219 ms, o's worst error / tolerance 0.82
+// against 0.64). Elsewhere -- fp32 inputs / workspaces, V > 256, pre-sm_90 -- and for 1 the single kernel
 // delta_chunk_scan_kernel. Any other value raises an error naming the knob and the accepted values.
 // Retired (refused, docs/cuda.md "Retired kernels"): 9 (scan6 with warp pairs, 0.427 ms) in session 11; in
 // session 12 4 (the bulk-prefetch scan delta_chunk_scan3_kernel, 0.48 ms, the default until session 9; with it
 // KDA_CUDA_SCAN3_BV, its column width, is no longer read), 5 / 6 (the split forward delta_chunk_scan4_kernel +
-// delta_chunk_out_kernel, fp32 / bf16 h_c and U_c: 0.30 / 0.32 + 0.22 / 0.15 ms, session 8) and 7 (the warp-specialized scan5 delta_chunk_scan5_kernel,
-// 0.350 ms, the default in sessions 9 and 10; scan6 is its products in its order, bit-identical).
-// 10 / 11 (opt-in, session 12): delta_chunk_scan7_kernel<KP, false / true> (delta_chunk_scan7.cuh) where scan6
-// applies (scan7_applies), else the single kernel: scan6's structure on bf16 m16n8k16 operands (w bf16 from the
-// prep's WB instances, u0 fp32; h_c / U_c bf16 in shared memory, 11: U as bf16 hi + lo; the state fp32 in registers).
+// delta_chunk_out_kernel, fp32 / bf16 h_c and U_c: 0.30 / 0.32 + 0.22 / 0.15 ms, session 8), 7 (the
+// warp-specialized scan5 delta_chunk_scan5_kernel, 0.350 ms, the default in sessions 9 and 10), and 8
+// (scan6, delta_chunk_scan6_kernel: scan5's products in its order on tf32 operands, 0.301 ms, the default from
+// session 11 until scan7, 11, in session 12).
 #pragma once
 
 #include <vector>
 
 #include "delta_chunk_fwd.cuh"
-#include "delta_chunk_scan6.cuh"
 #include "delta_chunk_scan7.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
@@ -40,9 +41,9 @@
 namespace kda_kernels {
 namespace cuda {
 
-// KDA_CUDA_CHUNK_SCAN's accepted values (0: unset, runs 8; 1: the single kernel; 8: scan6; 10 / 11: scan7, opt-in; see the top of this
-// file). A new scan: add its value here and its launch in run_chunk_scan.
-constexpr int kChunkScanModes[] = {0, 1, 8, 10, 11};
+// KDA_CUDA_CHUNK_SCAN's accepted values (0: unset, runs 11; 1: the single kernel; 10 / 11: scan7, 11 the default;
+// see the top of this file). A new scan: add its value here and its launch in run_chunk_scan.
+constexpr int kChunkScanModes[] = {0, 1, 10, 11};
 
 // (sequence, value head, 32 columns of V) blocks of a scan: both scan choices below compare it with the SM count.
 inline int64_t scan_blocks32(int64_t N, int64_t HV, int64_t V) { return N * HV * ((V + 31) / 32); }
@@ -118,21 +119,8 @@ void launch_chunk_scan(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// scan6 (KDA_CUDA_CHUNK_SCAN=8, the default): grid (sequence, head, ceil(V / 32)); 12 warps, ~187 KB of dynamic
-// shared memory at KP = 128, one block per SM.
-template <int KP>
-void launch_chunk_scan6(const ChunkFwdParams& p, cudaStream_t st) {
-  constexpr size_t bytes = Scan6Smem<KP>::bytes;
-  auto kern = delta_chunk_scan6_kernel<KP>;
-  allow_dynamic_smem(kern, bytes);
-  TORCH_CHECK(p.ws_stride % 4 == 0, "scan6: workspace slices must be 16-byte aligned");
-  const dim3 grid(static_cast<unsigned>(p.N), static_cast<unsigned>(p.HV),
-                  static_cast<unsigned>((p.V + Scan6Smem<KP>::BV - 1) / Scan6Smem<KP>::BV));
-  kern<<<grid, kScan6Threads, bytes, st>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// scan7 (KDA_CUDA_CHUNK_SCAN=10 / 11: UHL false / true, opt-in): scan6's grid, 12 warps, bf16 operands
+// scan7 (KDA_CUDA_CHUNK_SCAN=10 / 11: UHL false / true, 11 the default): grid (sequence, head, ceil(V / 32)), 12
+// warps, bf16 operands
 // (delta_chunk_scan7.cuh), ~110 / 125 KB of dynamic shared memory at KP = 128. Runs where scan7_applies, which the
 // prep reads too: there it writes w as bf16 (the prep kernels' WB instances) into the first half of its fp32
 // workspace section.
@@ -148,11 +136,11 @@ void launch_chunk_scan7(const ChunkFwdParams& p, cudaStream_t st) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Where scan7 runs (p.scan == 10 / 11, KDA_CUDA_CHUNK_SCAN=10 / 11): scan6's range (bf16/fp16 inputs, bf16
-// workspace, V <= kScan6MaxV, sm_90+). Elsewhere 10 / 11 run the single kernel and the prep writes the fp32 w of
-// the other scans.
+// Where scan7 runs (p.scan == 10 / 11, KDA_CUDA_CHUNK_SCAN=10 / 11 or unset): bf16/fp16 inputs, bf16 workspace,
+// V <= kScan7MaxV, sm_90+ (retired scan6's range). Elsewhere 10 / 11 run the single kernel and the prep writes the
+// fp32 w it reads.
 inline bool scan7_applies(const ChunkFwdParams& p) {
-  return (p.scan == 10 || p.scan == 11) && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan6MaxV && cc_major() >= 9;
+  return (p.scan == 10 || p.scan == 11) && p.in_dtype != kF32 && p.ws_bf16 && p.V <= kScan7MaxV && cc_major() >= 9;
 }
 
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
@@ -172,16 +160,12 @@ void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
 // The state-dependent half: the scan from p.h0 over the chunks (o and the final state).
 template <int KP, bool PRECISE>
 void run_chunk_scan(const char* op, const ChunkFwdParams& p, cudaStream_t st) {
-  // the single kernel's column width (checked at every call, also where scan6 runs): 0 by the SM count, 16, 32
+  // the single kernel's column width (checked at every call, also where scan7 runs): 0 by the SM count, 16, 32
   const int bv = env_choice(op, "KDA_CUDA_CHUNK_BV", 0, {0, 16, 32});
   if constexpr (!PRECISE) {
-    if (scan7_applies(p)) {  // scan7, opt-in (KDA_CUDA_CHUNK_SCAN=10 / 11)
+    if (scan7_applies(p)) {  // scan7 (KDA_CUDA_CHUNK_SCAN=11, the default, or 10)
       if (p.scan == 10) launch_chunk_scan7<KP, false>(p, st);
       else launch_chunk_scan7<KP, true>(p, st);
-      return;
-    }
-    if (p.scan == 8 && p.ws_bf16 && p.V <= kScan6MaxV && cc_major() >= 9) {  // scan6 (the default)
-      launch_chunk_scan6<KP>(p, st);
       return;
     }
   }
@@ -254,13 +238,14 @@ inline ChunkFwdParams chunk_fwd_params(const char* op, const Shapes& s, const at
     // bf16 qg / kgT / aqk for bf16 and fp16 inputs (KDA_CUDA_CHUNK_WS_BF16=0: all fp32); fp32 inputs: all fp32
     const int ws_knob = env_choice(op, "KDA_CUDA_CHUNK_WS_BF16", 1, {0, 1});
     const int64_t ws_bf16 = (p.in_dtype != kF32 && ws_knob != 0) ? 1 : 0;
-    // Unset (or 0): scan6 (8) at every size (session 11: scan5's products with fewer wavefronts; see the top of
-    // this file). Retired values are refused first (their own message), then anything not in kChunkScanModes.
+    // Unset (or 0): scan7 with U as bf16 hi + lo (11) where it applies, else the single kernel (see the top of this
+    // file). Retired values are refused first (their own message), then anything not in kChunkScanModes.
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 9, "scan6 with warp pairs (delta_chunk_scan6_kernel<KP, true>)", 11);
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 4, "the bulk-prefetch scan delta_chunk_scan3_kernel", 12);
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 5, "the split forward delta_chunk_scan4_kernel + delta_chunk_out_kernel (fp32 h_c, U_c)", 12);
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 6, "the split forward delta_chunk_scan4_kernel + delta_chunk_out_kernel (bf16 h_c, U_c)", 12);
     refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 7, "the warp-specialized scan delta_chunk_scan5_kernel", 12);
+    refuse_retired(op, "KDA_CUDA_CHUNK_SCAN", 8, "the tf32 warp-specialized scan delta_chunk_scan6_kernel (scan6)", 12);
     int64_t scan_mode = env_choice(op, "KDA_CUDA_CHUNK_SCAN", 0, kChunkScanModes);
     if (scan_mode == 0) scan_mode = 11;  // scan7 with U as bf16 hi + lo (session 12); elsewhere the single kernel
     const int64_t mc = cu.has_value() ? (static_cast<int64_t>(s.T) + kChunk - 1) / kChunk + s.N

@@ -1,10 +1,15 @@
 // Warp-specialized chunked-forward scan on bf16 tensor-core operands: delta_chunk_scan7_kernel<KP, UHL>
-// (KDA_CUDA_CHUNK_SCAN=10: UHL false, 11: UHL true; opt-in since session 12, the default stays scan6, 8).
-// Host: delta_chunk_fwd_host.cuh (run_chunk_scan, scan7_applies). Math and workspace: delta_chunk_fwd.cuh (WsLayout).
+// (KDA_CUDA_CHUNK_SCAN=11: UHL true, the default since session 12 (0.240 ms against scan6's 0.301 at B1 T8192 H16
+// HV32 on the H200, the same accuracy); 10: UHL false, opt-in (0.219 ms, but o's worst error / tolerance 0.82 against
+// 0.64)). Host: delta_chunk_fwd_host.cuh (run_chunk_scan, scan7_applies). Math and workspace: delta_chunk_fwd.cuh
+// (WsLayout). Since session 12 this file holds everything the kernel uses beyond delta_chunk_fwd.cuh: scan6
+// (KDA_CUDA_CHUNK_SCAN=8, delta_chunk_scan6.cuh: the same structure on tf32 operands, fp32 w, h_c and U_c), from
+// which it took its schedule, handoff and helpers (store_o2, rec_sync; mbar_arrive went to delta_chunk_fwd.cuh),
+// was retired then (docs/cuda.md, "Retired kernels"); the move changed no instruction of scan7's SASS.
 //
-// Why: scan6 (delta_chunk_scan6.cuh) is bound by the SM's L1 / shared-memory data path (~80 % in Nsight Compute):
-// its w operand is fp32 (256 KP bytes a chunk through the bulk copy and again through the LDS), h_c and U_c are
-// fp32 (tf32-rounded) in shared memory and every B fragment is one 32-bit word per tf32 element. Here every
+// Why: scan6 was bound by the SM's L1 / shared-memory data path (~80 % in Nsight Compute):
+// its w operand was fp32 (256 KP bytes a chunk through the bulk copy and again through the LDS), h_c and U_c were
+// fp32 (tf32-rounded) in shared memory and every B fragment was one 32-bit word per tf32 element. Here every
 // product is an m16n8k16 bf16 mma with fp32 accumulation -- the precision regime of flash-linear-attention, which
 // keeps w in the input dtype and casts h and v_new (U) to bf16 for its dots -- while the state itself stays fp32
 // in the recurrence warps' registers (the decay and k~^T U accumulate into fp32; only the operand copy of h that the
@@ -19,28 +24,29 @@
 //    (8 s + t, n0 + g) and b1 (8 s + 4 + t, n0 + g): one 32-bit load each, conflict-free with LDW = 40 (t LDW + g
 //    distinct mod 32). The accumulator tile of the writer (rows g, g + 8; columns 2t, 2t + 1) is exactly two such
 //    words, adjacent: one 8-byte store per tile, no shuffles (conflict-free too: 8 g + 2 t distinct per half warp).
-//  - u0 stays fp32 (read a chunk ahead into registers, as scan6): U = u0 - w h cancels, and a CPU estimate of the
+//  - u0 stays fp32 (read a chunk ahead into registers, as scan6 did): U = u0 - w h cancels, and a CPU estimate of the
 //    rounding (benchmarks/cuda/scan7_accuracy_emu.py) puts most of the error this regime adds on u0 and U, little on
 //    w and h: correlated keys with slow gates over 32 chunks, o's error / 0.005 is ~0.63 with scan6's rounding,
 //    ~0.89 with u0, U, w, h all bf16, ~0.81 with u0 fp32 (this kernel, UHL false), ~0.64 with u0 fp32 and U as
 //    bf16 hi + lo (UHL true).
 //  - UHL (11): U goes into shared memory as hi = bf16(U) and lo = bf16(U - hi) words; k~^T U and A~ U run both (twice
 //    their mma and U reads: +~210 wavefronts and +~170 mma per chunk) -- U at ~16 mantissa bits, scan6's accuracy.
-// Wavefronts per (block, chunk) at KP = 128 (scan6: ~3.3 k): U 4 warps x 8 k-steps x (2 LDS.64 + 8 LDS.32) = 384
+// Wavefronts per (block, chunk) at KP = 128 (scan6's: ~3.3 k): U 4 warps x 8 k-steps x (2 LDS.64 + 8 LDS.32) = 384
 // (768), h update 8 warps x 4 x (4 LDS.64 + 4 LDS.32) = 384 (512), output h 4 x 64 + U ~4 x 20 = ~340 (768),
 // h / U stores ~110 (~220), bulk copies 33 KB instead of 49 KB: ~1.5 k. Tensor instructions per chunk halve too.
 // The structure is scan6's: one block per (sequence, value head, 32 value columns), 8 recurrence warps (U by warps
 // 0..3, 16 rows x 32 columns each; h update by all 8 with ScanRec's ownership: rows [wi KP/4, (wi+1) KP/4), columns
 // 16 wc .. 16 wc + 15) + 4 output warps (16 rows x 32 columns each); operands bulk-copied two chunks ahead; h_c / U_c
-// in NB = 3 buffers handed over by full / empty mbarriers exactly as scan6. Kept (not re-split) because the grid at
-// the target shape (B1 HV32 V128: 128 blocks) is one wave on the H200's 132 SMs: two blocks per SM (which the
+// in NB = 3 buffers handed over by full / empty mbarriers as scan6 (and scan5) did. Kept (not re-split) because the
+// grid at the target shape (B1 HV32 V128: 128 blocks) is one wave on the H200's 132 SMs: two blocks per SM (which the
 // ~110 KB of shared memory would allow, at <= 85 registers a thread) or 16-column blocks would not shorten a
 // block's serial chain; the gain has to come from a shorter chunk step. (U on 8 warps instead of 4 would not help
 // either: warps 0..3 sit on the 4 SM sub-partitions already, so their mma throughput bounds the U step.)
-// Emulated: tests/test_cuda_scan7_emu.py; tested: tests/test_cuda_scan7.py.
+// Emulated: tests/test_cuda_scan7_emu.py (index math), tests/test_cuda_scan7_handoff_emu.py (the h_c / U_c buffers and
+// mbarriers); tested: tests/test_cuda_scan7.py.
 #pragma once
 
-#include "delta_chunk_scan6.cuh"
+#include "delta_chunk_fwd.cuh"
 
 namespace kda_kernels {
 namespace cuda {
@@ -49,6 +55,20 @@ constexpr int kScan7Threads = 384;  // 8 recurrence warps, then 4 output warps
 constexpr int kScan7RecThreads = 256;
 constexpr int kScan7OutWarps = (kScan7Threads - kScan7RecThreads) / 32;
 constexpr int kScan7LDW = 40;  // 32-bit words per row pair of h_c / U_c (32 columns + 8: conflict-free)
+constexpr int kScan7MaxV = 256;  // the V range the host sends to this kernel (and its tests cover)
+
+// Two adjacent output elements o[i], o[i + 1] (the second only when has_y) in the input dtype, rounded as store_in;
+// one 4-byte store for bf16 / fp16 when pair (i even: V even).
+__device__ __forceinline__ void store_o2(void* o, int64_t i, int dt, bool pair, float x, float y, bool has_y) {
+  if (pair && dt == kBF16) {
+    reinterpret_cast<__nv_bfloat162*>(o)[i >> 1] = __floats2bfloat162_rn(x, y);
+  } else if (pair && dt == kF16) {
+    reinterpret_cast<__half2*>(o)[i >> 1] = __floats2half2_rn(x, y);
+  } else {
+    store_in(o, i, dt, x);
+    if (has_y) store_in(o, i + 1, dt, y);
+  }
+}
 
 template <int KP, bool UHL>
 struct Scan7Smem {
@@ -74,6 +94,9 @@ struct Scan7Smem {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The recurrence warps' own barrier (named barrier 1; __syncthreads is barrier 0).
+__device__ __forceinline__ void rec_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kScan7RecThreads) : "memory"); }
+
 // bf16 pair (lo: the lower 16 bits) as one 32-bit word, round to nearest even.
 __device__ __forceinline__ uint32_t s7_pack(float lo, float hi) {
   const __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);

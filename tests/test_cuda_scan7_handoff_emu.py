@@ -1,11 +1,14 @@
-"""CPU emulation of the handoff of h_c / U_c in the scan delta_chunk_scan6_kernel (KDA_CUDA_CHUNK_SCAN=8, the
-default; kernels_src/cuda/delta_chunk_scan6.cuh) between its recurrence warps and its output warps through NB
-rotating buffers and the mbarriers full[NB] / empty[NB], and its shared-memory layout Scan6Smem. (Written in session
-9 for scan5, whose handoff scan6 kept; since session 12, when scan5 was retired, with scan6's arrivals.)
+"""CPU emulation of the handoff of h_c / U_c in the scan delta_chunk_scan7_kernel<KP, UHL> (KDA_CUDA_CHUNK_SCAN=11, the
+default since session 12, and 10; kernels_src/cuda/delta_chunk_scan7.cuh) between its recurrence warps and its
+output warps through NB rotating buffers and the mbarriers full[NB] / empty[NB], and its shared-memory layout
+Scan7Smem. (Written in session 9 for scan5, whose handoff scan6 and then scan7 kept; with scan6's arrivals since
+session 12, which scan7 has too; retargeted from scan6, test_cuda_scan6_handoff_emu.py, when scan6 was retired in
+session 12. scan7's h_pre -- the decay and the k~^T fragments, before the U step -- touches registers only, no
+shared buffer, so it does not enter here.)
 
-The products themselves are emulated by tests/test_cuda_scan6_emu.py; here the agents move chunk tags instead of
+The products themselves are emulated by tests/test_cuda_scan7_emu.py; here the agents move chunk tags instead of
 numbers. Recurrence and output warps (each arrives once, lane 0 after __syncwarp) are modelled as a few agents each
-(every recurrence agent owns its part of each h buffer; the first n_u of them -- scan6's warps 0..3 -- also own
+(every recurrence agent owns its part of each h buffer; the first n_u of them -- scan7's warps 0..3 -- also own
 the parts of U), run in random interleavings (each agent with a random speed): the recurrence agents meet at the
 named barrier twice per chunk; a U writer arrives on full[b] after writing its part of U_c, the others at the top of
 the chunk step (their part of h_c was written before the barrier that ended the previous step); each waits on
@@ -16,7 +19,7 @@ Checks: every read sees the chunk it expects (no buffer is overwritten before it
 before it is written), no deadlock, for 0..13 chunks and NB 2, 3, 4; and the same emulation with the empty wait
 dropped, its parity off by one, or a U writer arriving before its part of U_c is written fails (the checks can
 fail). (A non-U agent arriving early is harmless: full completes only with the U writers' arrivals, which follow
-the barrier that every h part precedes.) Runs without a GPU; the CUDA code itself is tested by tests/test_cuda_scan6.py.
+the barrier that every h part precedes.) Runs without a GPU; the CUDA code itself is tested by tests/test_cuda_scan7.py.
 """
 import random
 
@@ -139,36 +142,42 @@ def run(nch, NB, n_rec=4, n_u=2, n_out=3, seed=0, mutate=None):
     return None
 
 
-def scan6_smem(KP, NB=3):
-    """Scan6Smem<KP>: (hs_off, us_off, bar_off, bytes); the operand region (w fp32 | k~^T bf16 | decay) twice, then
-    NB h_c / U_c tiles of stride LDH = 40 floats, then 2 + 2 NB mbarriers."""
-    LDH = 32 + 8
-    region = C * KP * 4 + C * KP * 2 + KP * 4
+def scan7_smem(KP, uhl, NB=3):
+    """Scan7Smem<KP, UHL>: (region, hs_off, us_off, bar_off, bytes); the operand region (w bf16 | k~^T bf16 | decay
+    fp32) twice, then NB h_c tiles and NB U_c tiles of bf16 row-pair words (LDW = 40 words per row pair; UHL: U's
+    low words after its high words), then 2 + 2 NB mbarriers."""
+    LDW = 32 + 8
+    region = C * KP * 2 + C * KP * 2 + KP * 4
+    hs_words = KP // 2 * LDW
+    us_words = (2 if uhl else 1) * (C // 2 * LDW)
     hs_off = 2 * region
-    us_off = hs_off + 4 * NB * KP * LDH
-    bar_off = us_off + 4 * NB * C * LDH
-    return hs_off, us_off, bar_off, bar_off + 8 * (2 + 2 * NB)
+    us_off = hs_off + 4 * NB * hs_words
+    bar_off = us_off + 4 * NB * us_words
+    return region, hs_off, us_off, bar_off, bar_off + 8 * (2 + 2 * NB)
 
 
+@pytest.mark.parametrize("uhl", [False, True], ids=["uhl0", "uhl1"])
 @pytest.mark.parametrize("KP", [64, 128])
-def test_scan6_smem_layout(KP):
-    hs_off, us_off, bar_off, total = scan6_smem(KP)
-    assert hs_off % 128 == 0 and us_off % BULK == 0 and bar_off % 8 == 0  # bulk-copy targets, float4, mbarriers
+def test_scan7_smem_layout(KP, uhl):
+    region, hs_off, us_off, bar_off, total = scan7_smem(KP, uhl)
+    # bulk-copy targets (each operand buffer, and w / k~^T / decay inside it), 8-byte tile stores, mbarriers
+    assert region % BULK == 0 and (C * KP * 2) % BULK == 0 and (KP * 4) % BULK == 0
+    assert hs_off % BULK == 0 and us_off % BULK == 0 and bar_off % 8 == 0
     assert total <= 227 * 1024  # one block per SM (the static_assert in the kernel)
-    if KP == 128:
-        assert total == 191552
+    if KP == 128:  # ~110 / 125 KB (delta_chunk_fwd_host.cuh, launch_chunk_scan7)
+        assert total == (128064 if uhl else 112704)
 
 
 @pytest.mark.parametrize("NB", [2, 3, 4])
 @pytest.mark.parametrize("nch", list(range(14)))
-def test_scan6_handoff(nch, NB):
+def test_scan7_handoff(nch, NB):
     for seed in range(40):
         err = run(nch, NB, seed=seed)
         assert err is None, f"nch={nch} NB={NB} seed={seed}: {err}"
 
 
 @pytest.mark.parametrize("mutate", ["no_empty_wait", "parity_off", "u_early"])
-def test_scan6_handoff_checks_can_fail(mutate):
+def test_scan7_handoff_checks_can_fail(mutate):
     """Without the empty wait the recurrence may overwrite h_c before the output agents read it; with the wrong
     parity it either overwrites too early or waits for a phase that never comes (deadlock); a U writer that arrives
     on full before writing its part of U_c lets the output agents read it too early."""
