@@ -60,9 +60,10 @@ GVA_CASES = {
 }
 
 
-def _run(family, case, dtype, with_state=True, g_fill=None):
-    # g_fill: the -20 gates of an extreme case set to this value instead (e.g. -1e4: e^g = 0 exactly)
-    spec = dict(CASES[case] if case in CASES else {**WY2_CASES, **GVA_CASES}[case])
+def bwd_inputs(family, spec, dtype, with_state=True, g_fill=None):
+    """The backward's arguments for one case spec (make_inputs' keywords, "cu" the varlen offsets):
+    ((q, k, v, g, beta, scale, h0, cu, do, dht), N). g_fill: the -20 gates of an extreme case set to this value
+    instead (e.g. -1e4: e^g = 0 exactly). Also used by tests/test_cuda_state_bwd_bf16.py."""
     cu_list = spec.get("cu")
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
     q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
@@ -74,7 +75,13 @@ def _run(family, case, dtype, with_state=True, g_fill=None):
     h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV) if with_state else None
     dht = torch.randn(N, HV, K, V, generator=gen).to(DEV) if with_state else None
     do = torch.randn(*v.shape, generator=gen).to(DEV).to(dtype)
-    scale = K ** -0.5
+    return (q, k, v, g, beta, K ** -0.5, h0, cu, do, dht), N
+
+
+def _run(family, case, dtype, with_state=True, g_fill=None):
+    spec = dict(CASES[case] if case in CASES else {**WY2_CASES, **GVA_CASES}[case])
+    (q, k, v, g, beta, scale, h0, cu, do, dht), N = bwd_inputs(family, spec, dtype, with_state, g_fill)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     out = getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, scale, h0, cu, do, dht)
     torch.cuda.synchronize()
     xs = [x.detach().cpu().double().requires_grad_(True) for x in (q, k, v, g, beta)]

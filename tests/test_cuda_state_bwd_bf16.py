@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 from ref_delta import ref_delta_rule, rel_err  # noqa: E402
 from test_cuda_backend import DEV, OPS, make_inputs  # noqa: E402  (loads / builds the CUDA variant)
-from test_cuda_chunk_bwd import CASES  # noqa: E402
+from test_cuda_chunk_bwd import CASES, bwd_inputs  # noqa: E402
 
 torch.set_num_threads(1)
 KNOB = "KDA_CUDA_CHUNK_BWD_STATE_BWD"
@@ -49,18 +49,7 @@ _REF = {}
 def _inputs(family, case, dtype, with_state=True):
     spec = dict(MY_CASES[case])
     g_fill = spec.pop("g_fill", None)
-    cu_list = spec.get("cu")
-    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.long, device=DEV)
-    q, k, v, g, beta = make_inputs(family, dtype=dtype, seed=3, **spec)
-    if g_fill is not None:
-        g = torch.where(g == -20.0, torch.full_like(g, g_fill), g)
-    N = q.shape[0] if cu is None else cu.numel() - 1
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    gen = torch.Generator().manual_seed(9)
-    h0 = (torch.randn(N, HV, K, V, generator=gen) * 0.5).to(DEV) if with_state else None
-    dht = torch.randn(N, HV, K, V, generator=gen).to(DEV) if with_state else None
-    do = torch.randn(*v.shape, generator=gen).to(DEV).to(dtype)
-    return (q, k, v, g, beta, K ** -0.5, h0, cu, do, dht), N
+    return bwd_inputs(family, spec, dtype, with_state, g_fill)
 
 
 def _reference(family, case, dtype, with_state=True):
