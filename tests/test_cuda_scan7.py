@@ -55,6 +55,30 @@ def record(label, ref, outs, tol):
             f.write(line + "\n")
 
 
+def run_modes(fn, args, monkeypatch, repeat=True):
+    """{value: fn(*args)} under each value of NEWS; with repeat, a second call must give the same bits (no race
+    between the kernel's warp groups)."""
+    out = {}
+    for m in NEWS:
+        monkeypatch.setenv(KNOB, m)
+        out[m] = fn(*args)
+        if repeat:
+            ob, sb = fn(*args)
+            assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m}: other bits"
+    return out
+
+
+def check_modes(lab, what, ro, rs, out, tol):
+    """Records the error ratios of o and the final state under each value (record), then checks both are finite and
+    within tol of the float64 reference (ro, rs); `what` names the case in the assertion messages."""
+    record(f"{lab} o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
+    record(f"{lab} state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
+    for m, (o, s) in out.items():
+        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+        assert_close(f"o (scan7 {m}{what})", ro, o.cpu(), tol)
+        assert_close(f"final_state (scan7 {m}{what})", rs, s.cpu(), tol)
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(family, case, dtype):
     (q, k, v, g, beta), h0, cu = case_inputs(family, case, dtype)
@@ -70,15 +94,9 @@ def test_scan7_reference(family, case, dtype, monkeypatch):
         pytest.skip("fp16 differs from bf16 only in the load/store conversion; a subset suffices")
     res = dict(zip(NEWS, fwd_per_knob(family, case, dtype, "ws_bf16", KNOB, NEWS, monkeypatch)))
     ro, rs = _reference(family, case, dtype)
-    tol = TOL[dtype]
-    record(f"{family} {case} {str(dtype)[6:]} o", ro, {m: o.cpu() for m, (o, _) in res.items()}, tol)
-    record(f"{family} {case} {str(dtype)[6:]} state", rs, {m: s.cpu() for m, (_, s) in res.items()}, tol)
-    for m in NEWS:
-        o, s = res[m]
+    for m, (o, s) in res.items():
         assert o.dtype == dtype and s.dtype == torch.float32 and o.shape == ro.shape and s.shape == rs.shape
-        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-        assert_close(f"o (scan7, {m})", ro, o.cpu(), tol)
-        assert_close(f"final_state (scan7, {m})", rs, s.cpu(), tol)
+    check_modes(f"{family} {case} {str(dtype)[6:]}", "", ro, rs, res, TOL[dtype])
 
 
 @pytest.mark.parametrize("shape", [(1, 8192, 1, 2, 128, 128, "normal"), (2, 4096, 2, 4, 128, 128, "normal"),
@@ -94,23 +112,10 @@ def test_scan7_long(family, shape, dtype, monkeypatch):
     B, T, H, HV, K, V, keys = shape
     q, k, v, g, beta = make(family, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, seed=3, gate_div=10.0, keys=keys)
     h0 = (torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    out = {}
-    for m in NEWS:
-        monkeypatch.setenv(KNOB, m)
-        out[m] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-        ob, sb = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-        assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m}: other bits"
+    out = run_modes(getattr(OPS, f"{family}_chunk_fwd"), (q, k, v, g, beta, K ** -0.5, h0, None), monkeypatch)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=K ** -0.5, initial_state=h0.cpu())
-    tol = TOL[dtype]
     lab = f"{family} long_{'x'.join(map(str, shape[:6]))}_{keys} {str(dtype)[6:]}"
-    record(f"{lab} o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
-    record(f"{lab} state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
-    for m in NEWS:
-        o, s = out[m]
-        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-        assert_close(f"o (scan7 {m}, long)", ro, o.cpu(), tol)
-        assert_close(f"final_state (scan7 {m}, long)", rs, s.cpu(), tol)
+    check_modes(lab, ", long", ro, rs, out, TOL[dtype])
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
@@ -120,23 +125,14 @@ def test_scan7_varlen_mix(family, monkeypatch):
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long, device=DEV)
     q, k, v, g, beta = make(family, cu=cu.tolist(), H=2, HV=4, seed=7, extreme=True)
     h0 = (torch.randn(len(lens), 4, 128, 128, generator=torch.Generator().manual_seed(11)) * 0.5).to(DEV)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    out = {}
-    for m in NEWS:
-        monkeypatch.setenv(KNOB, m)
-        out[m] = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
+    out = run_modes(getattr(OPS, f"{family}_chunk_fwd"), (q, k, v, g, beta, 128 ** -0.5, h0, cu), monkeypatch,
+                    repeat=False)
     ro, rs = ref_delta_rule(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), scale=128 ** -0.5,
                             initial_state=h0.cpu(), cu_seqlens=cu.cpu())
-    tol = TOL[torch.bfloat16]
-    record(f"{family} varlen_mix o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
-    record(f"{family} varlen_mix state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
-    for m in NEWS:
-        o, s = out[m]
-        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
+    for m, (_, s) in out.items():
         for i in (0, 5, 10):  # empty sequences: the final state is the initial state
-            assert torch.equal(s[i], h0[i])
-        assert_close(f"o (scan7 {m}, varlen mix)", ro, o.cpu(), tol)
-        assert_close(f"final_state (scan7 {m}, varlen mix)", rs, s.cpu(), tol)
+            assert torch.equal(s[i], h0[i]), f"{m}: sequence {i} (empty) changed its state"
+    check_modes(f"{family} varlen_mix", ", varlen mix", ro, rs, out, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("shape", [(1, 8192, 16, 32, 128, 128), (3, 1000, 4, 8, 128, 96)],
@@ -151,25 +147,11 @@ def test_scan7_many_blocks(family, shape, monkeypatch):
     B, T, H, HV, K, V = shape
     q, k, v, g, beta = make(family, B=B, T=T, H=H, HV=HV, K=K, V=V, seed=3)
     h0 = (torch.randn(B, HV, K, V, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV)
-    fn = getattr(OPS, f"{family}_chunk_fwd")
-    out = {}
-    for m in NEWS:
-        monkeypatch.setenv(KNOB, m)
-        out[m] = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-        ob, sb = fn(q, k, v, g, beta, K ** -0.5, h0, None)
-        assert torch.equal(out[m][0], ob) and torch.equal(out[m][1], sb), f"a repeat call under {m}: other bits"
+    out = run_modes(getattr(OPS, f"{family}_chunk_fwd"), (q, k, v, g, beta, K ** -0.5, h0, None), monkeypatch)
     with torch.no_grad():
         ro, rs = ref_delta_rule(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0)
-    ro, rs = ro.cpu(), rs.cpu()
-    tol = TOL[torch.bfloat16]
     lab = f"{family} many_blocks_{'x'.join(map(str, shape))}"
-    record(f"{lab} o", ro, {m: o.cpu() for m, (o, _) in out.items()}, tol)
-    record(f"{lab} state", rs, {m: s.cpu() for m, (_, s) in out.items()}, tol)
-    for m in NEWS:
-        o, s = out[m]
-        assert torch.isfinite(o.float()).all() and torch.isfinite(s).all()
-        assert_close(f"o (scan7 {m}, {lab})", ro, o.cpu(), tol)
-        assert_close(f"final_state (scan7 {m}, {lab})", rs, s.cpu(), tol)
+    check_modes(lab, f", {lab}", ro.cpu(), rs.cpu(), out, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("mode", NEWS)
