@@ -35,6 +35,7 @@
 #include "delta_chunk_scan7.cuh"
 #include "gdn_chunk_prep.cuh"
 #include "gdn_chunk_prep2.cuh"
+#include "gdn_chunk_prep3.cuh"
 #include "kda_chunk_prep2.cuh"
 #include "delta_host.cuh"
 
@@ -72,9 +73,31 @@ void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// WB: w as bf16 for scan7 (scan7_applies)
+// KDA_CUDA_GDN_PREP=3 (session 13, off by default): gdn_chunk_prep3_kernel (gdn_chunk_prep3.cuh), v2's values
+// with one block per pair of value heads of a GVA group (HV / H even; else one head per block).
+template <int KP, typename T16, bool WB>
+void launch_gdn_prep3_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  constexpr size_t smem = GdnPrep3Smem<KP>::bytes;
+  auto kern = gdn_chunk_prep3_kernel<KP, T16, WB>;
+  allow_dynamic_smem(kern, smem, /*max_carveout=*/true);
+  const int nh = ((p.HV / p.H) % 2 == 0) ? 2 : 1;
+  kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV / nh)), kGdnThreads, smem, st>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// WB: w as bf16 for scan7 (scan7_applies); v3 where KDA_CUDA_GDN_PREP=3 (checked by chunk_prep_dispatch)
 template <int KP>
 void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
+  if (env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2, 3}) == 3) {
+    if (wb) {
+      if (p.in_dtype == kBF16) launch_gdn_prep3_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
+      else launch_gdn_prep3_t<KP, __half, true>(p, max_chunks, st);
+    } else {
+      if (p.in_dtype == kBF16) launch_gdn_prep3_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
+      else launch_gdn_prep3_t<KP, __half, false>(p, max_chunks, st);
+    }
+    return;
+  }
   if (wb) {
     if (p.in_dtype == kBF16) launch_gdn_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
     else launch_gdn_prep2_t<KP, __half, true>(p, max_chunks, st);
@@ -192,7 +215,7 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
     // (1: the GDN prep v1 gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227 in session 10; kernel removed)
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 1, "the GDN prep v1 gdn_chunk_prep_kernel", 11);
-    env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2});  // gdn_chunk_prep2 (fp32 inputs: the generic prep)
+    env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2, 3});  // prep2; 3: prep3 (fp32 inputs: generic)
   }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
