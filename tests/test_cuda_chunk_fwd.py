@@ -244,11 +244,11 @@ def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeyp
 
 # values no kernel has (typos, text): refused with the knob's name, the value and the accepted values (env_choice in
 # delta_host.cuh) instead of silently running the default. Accepted: KDA_CUDA_CHUNK_SCAN 0 (unset), 1, 10, 11 and any
-# value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3; KDA_CUDA_GDN_PREP 2;
+# value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3; KDA_CUDA_GDN_PREP 2, 3;
 # KDA_CUDA_CHUNK_WS_BF16 0, 1; KDA_CUDA_CHUNK_BV 0, 16, 32; KDA_CUDA_CHUNK_FWD 0, 1.
 UNKNOWN_FWD = [("KDA_CUDA_CHUNK_SCAN", "99"), ("KDA_CUDA_CHUNK_SCAN", "-3"), ("KDA_CUDA_CHUNK_SCAN", "scan6"),
                ("KDA_CUDA_CHUNK_SCAN", "8x"), ("KDA_CUDA_KDA_PREP", "7"), ("KDA_CUDA_KDA_PREP", "v2"),
-               ("KDA_CUDA_GDN_PREP", "3"), ("KDA_CUDA_GDN_PREP", "x"), ("KDA_CUDA_CHUNK_WS_BF16", "2"),
+               ("KDA_CUDA_GDN_PREP", "9"), ("KDA_CUDA_GDN_PREP", "x"), ("KDA_CUDA_CHUNK_WS_BF16", "2"),
                ("KDA_CUDA_CHUNK_WS_BF16", "yes"), ("KDA_CUDA_CHUNK_BV", "24"), ("KDA_CUDA_CHUNK_BV", "wide"),
                ("KDA_CUDA_CHUNK_FWD", "2"), ("KDA_CUDA_CHUNK_FWD", "on")]
 
