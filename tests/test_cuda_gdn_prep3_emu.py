@@ -216,3 +216,23 @@ def test_shared_memory_layout(KP):
     assert gates_off % 16 == 0 and gate_bytes % 16 == 0
     assert 3 * (nbytes + 1024) <= 228 * 1024  # three blocks per SM on sm_90
     assert (LDA * 4) % 16 == 0  # the untranspose's 16-byte rows
+
+
+@pytest.mark.parametrize("r", [0, 1])
+@pytest.mark.parametrize("KP", [64, 128])
+def test_kg_items_over_s2_s3_s4_cover_every_item_once(KP, r):
+    """k~^T's items: head 0 v2's halves over S3 / S4 (warps 2-7); head 1 its first quarter in S2 (warps 4-7), the
+    rest halved over S3 / S4."""
+    NK = (KP // 16) * (C // 8) * 32
+    k0 = 0 if r == 0 else NK // 4
+    k1 = (k0 + NK) // 2
+    count = np.zeros(NK, dtype=int)
+    phases = [(0, k0, range(128, 256))] if r else []
+    phases += [(k0, k1, range(64, 256)), (k1, NK, range(64, 256))]
+    for i0, i1, tids in phases:
+        for tid in tids:
+            it = i0 + tid - tids.start
+            while it < i1:
+                count[it] += 1
+                it += len(tids)
+    assert (count == 1).all()

@@ -11,7 +11,7 @@
 //    16x16 scratch moves from Ab's upper triangle to T's strictly upper blocks (never written nor read otherwise).
 //  - S2: warps 0-3 T's diagonal blocks of head 0, then q~ of head 1; warps 4-7 q~ of head 0 (q is dead after S2).
 //  - S3-S5 of head 0 as v2; meanwhile (after S4) head 1's A is copied from the upper to the lower triangle.
-//  - head 1: v's cp.async into q's tile again, S2-S5 of v2 (warps 4-7 idle in S2).
+//  - head 1: v's cp.async into q's tile again, S2-S5 of v2 (k~^T's first quarter moves to S2's warps 4-7).
 // Pairs exist where HV / H is even; otherwise (HV == H, odd ratios) each block takes one head (a group of one).
 #pragma once
 
@@ -256,22 +256,26 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep3_kernel(const C
     }
     // ---- S2: warps 0-3: diagonal blocks of T; q~ (r == 0 only: q is overwritten by v after this phase):
     //      warps 4-7 head 0's, warps 0-3 afterwards head 1's
+    //      (head 1: warps 4-7 the first quarter of its k~^T instead)
     prep_inverse_diag(Ab, Ts, warp, lane);
+    const int k0 = r == 0 ? 0 : NK / 4, k1 = (k0 + NK) / 2;  // k~^T items of S3: [k0, k1), S4: [k1, NK)
     if (r == 0) {
       if (warp >= 4) prep3_qg<KP, T16>(ws, WL, half, Qs, Ear(0), p.scale, tid - 128, 128);
       else if (nh > 1) prep3_qg<KP, T16>(wsr(1), WL, half, Qs, Ear(1), p.scale, tid, 128);
+    } else if (warp >= 4) {
+      prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), 0, k0, tid - 128, 128);
     }
     __syncthreads();
 
-    // ---- S3: (head 0) v -> q's tile; warps 0-1: T_10, T_32; warps 2-7: first half of k~^T
+    // ---- S3: (head 0) v -> q's tile; warps 0-1: T_10, T_32; warps 2-7: k~^T items [k0, k1)
     if (r == 0) gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
     prep3_inverse_sub1(Ab, Ts, warp, gq, t4);
-    if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), 0, NK / 2, tid - 64, kGdnThreads - 64);
+    if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), k0, k1, tid - 64, kGdnThreads - 64);
     __syncthreads();
 
-    // ---- S4: warps 0-1: the lower-left 32x32 of T; warps 2-7: second half of k~^T
+    // ---- S4: warps 0-1: the lower-left 32x32 of T; warps 2-7: k~^T items [k1, NK)
     prep3_inverse_sub2(Ab, Ts, warp, gq, t4);
-    if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), NK / 2, NK, tid - 64, kGdnThreads - 64);
+    if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), k1, NK, tid - 64, kGdnThreads - 64);
     gdn_cp_async_wait_all();
     __syncthreads();
     prep2_round_t(Ts, tid);
