@@ -2,8 +2,9 @@
 # Session 13, branch gdnprep13 (candidate): the GDN prep v3 (KDA_CUDA_GDN_PREP=3, gdn_chunk_prep3.cuh; off by
 # default): one block per pair of value heads of a GVA group, q / k staged and S1's raw Q K^T / K K^T computed once
 # per pair; claimed bit-identical to v2 (the per-head gate factors are applied after the product exactly as v2 does).
-# Checked without a GPU: nvcc 13.0 sm_90a (80 registers, 40 B spill stores / 84 B spill loads -- v2: 0-4 B --,
-# 72.4 KB shared memory: three blocks per SM), CPU emulation of the new index maps (tests/test_cuda_gdn_prep3_emu.py).
+# Checked without a GPU: nvcc 13.0 sm_90a (80 registers, 8 B spill stores / 12 B spill loads, 72.4 KB shared memory:
+# three blocks per SM), main's 27 kernels of gdn_chunk_fwd.cu with the same SASS, CPU emulation of the new index maps
+# (tests/test_cuda_gdn_prep3_emu.py).
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; one H200; writes under
 # $OUT/gdnprep13. About 90-140 s in all.
 #  (1) tests/test_cuda_gdn_prep3.py (+ the unknown-value test of test_cuda_chunk_fwd.py, whose GDN_PREP entry moved
