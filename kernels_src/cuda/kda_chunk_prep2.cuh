@@ -37,7 +37,7 @@
 // written as zeros.
 #pragma once
 
-#include "gdn_chunk_prep.cuh"
+#include "gdn_chunk_prep2.cuh"  // (and gdn_chunk_prep.cuh) FAST: prep2_round_t, prep2_w_u0_x, to_tf32_fast
 
 namespace kda_kernels {
 namespace cuda {
@@ -100,9 +100,25 @@ struct KdaPrep2Smem {
                 "16-byte aligned sections");
 };
 
+// c += a b on one 16x8x8 tile, tf32 operands: mma8<false>'s (cvt.rna) or, FAST, to_tf32_fast's (the same bits for
+// every non-NaN input, 2 instructions instead of 3 per conversion).
+template <bool FAST>
+__device__ __forceinline__ void kda_mma8(float* c, const float4& a, float b0, float b1) {
+  if constexpr (FAST) {
+    mma_tf32_raw(c, to_tf32_fast(a.x), to_tf32_fast(a.y), to_tf32_fast(a.z), to_tf32_fast(a.w), to_tf32_fast(b0),
+                 to_tf32_fast(b1));
+  } else {
+    mma8<false>(c, a, b0, b1);
+  }
+}
+
 // Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
 // WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w goes out as bf16 (prep_w_u0).
-template <int KP, typename T16, bool WB = false>
+// FAST (KDA_CUDA_KDA_PREP=6, session 13, opt-in): the same values bit for bit (non-NaN inputs) with fewer
+// instructions: tf32 conversions by to_tf32_fast (P2, the lower-left quarters), and S5 as gdn_chunk_prep2's
+// (prep2_w_u0_x: T rounded to tf32 once in shared memory after S4, its A fragments by ldmatrix, jobs in pairs, u0
+// as float2); same tf32 operands and accumulation order as prep_w_u0.
+template <int KP, typename T16, bool WB = false, bool FAST = false>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -269,7 +285,7 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
           b0 *= E[c];
           b1 *= E[c + 4];
         }
-        mma8<false>(acc2[u], af, b0, b1);
+        kda_mma8<FAST>(acc2[u], af, b0, b1);
       }
     }
 
@@ -284,7 +300,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
         const float h0 = Hs[r * LDF + cl], h1 = Hs[r * LDF + cl + 4];
         const float4 af = make_float4(f16(Qs[r * LDH + c]) * h0, f16(Ks[r * LDH + c]) * h0,
                                       f16(Qs[r * LDH + c + 4]) * h1, f16(Ks[r * LDH + c + 4]) * h1);
-        mma8<false>(accq, af, f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl], f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4]);
+        kda_mma8<FAST>(accq, af, f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl],
+                       f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4]);
       }
     }
 
@@ -434,7 +451,13 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   __syncthreads();
 
   // ---- S5: w = T X (fragment order), u0 = T V (row-major)
-  prep_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  if constexpr (FAST) {
+    prep2_round_t(Ts, tid);  // T's blocks S5 reads, to tf32 in place (S3 / S4 needed them in fp32)
+    __syncthreads();
+    prep2_w_u0_x<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  } else {
+    prep_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  }
 }
 
 }  // namespace cuda
