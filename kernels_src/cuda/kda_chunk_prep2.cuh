@@ -75,6 +75,18 @@ __device__ __forceinline__ void cross_tile(int tile, int& a, int& mat, int& nt) 
   nt = local - mat * 2 * a;
 }
 
+// FAST's assignment of the same 24 tiles (warp, u = 0..2) so that a warp's tiles share their A operand (rows of
+// sub-chunk a of q or k): warps 0-3 (a = 3; q: 0, 1, k: 2, 3) three tiles each, warps 4 / 5 (a = 2, q / k) nt 0..2,
+// warps 6 / 7 (q / k) the tile (2, nt 3), then a = 1's two tiles.
+__device__ __forceinline__ void cross_tile_fast(int warp, int u, int& a, int& mat, int& nt) {
+  if (warp < 4) {
+    a = 3, mat = warp >> 1, nt = 3 * (warp & 1) + u;
+  } else if (warp < 6 || u == 0) {
+    a = 2, mat = warp & 1, nt = warp < 6 ? u : 3;
+  } else {
+    a = 1, mat = warp & 1, nt = u - 1;
+  }
+}
 
 template <int KP>
 struct KdaPrep2Smem {
@@ -264,28 +276,59 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
     __syncthreads();
 
     // ---- P2: cross-sub-chunk tiles, rows of sub-chunk a (q or k, times e^{G_t - G_r}) x (k_j e^{G_s - G_j}
-    //      e^{G_r - G_s}), this pass's 32 channels
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {
-      int a, mat, nt;
-      cross_tile(warp + 8 * u, a, mat, nt);
-      const int b = nt >> 1;
-      const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
-      const uint16_t* Xs = mat ? Ks : Qs;
-      const int ra = a * kSub + gq, jb = nt * 8 + gq;
+    //      e^{G_r - G_s}), this pass's 32 channels. FAST: tiles by cross_tile_fast, k-steps outside, the A operand
+    //      formed once per k-step (warps 6-7: twice); each tile's products and their order as below.
+    if constexpr (FAST) {
 #pragma unroll
       for (int s = 0; s < kKdaPass / 8; ++s) {
         const int cl = s * 8 + t4, c = cp0 + cl;
-        const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
-                                      f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
-                                      f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
-                                      f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
-        float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
-        if (E != nullptr) {
-          b0 *= E[c];
-          b1 *= E[c + 4];
+        float4 af = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < 3; ++u) {
+          int a, mat, nt;
+          cross_tile_fast(warp, u, a, mat, nt);
+          if (u == 0 || (u == 1 && warp >= 6)) {
+            const uint16_t* Xs = mat ? Ks : Qs;
+            const int ra = a * kSub + gq;
+            af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
+                             f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
+                             f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
+                             f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
+          }
+          const int b = nt >> 1, jb = nt * 8 + gq;
+          const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
+          float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl];
+          float b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
+          if (E != nullptr) {
+            b0 *= E[c];
+            b1 *= E[c + 4];
+          }
+          kda_mma8<true>(acc2[u], af, b0, b1);
         }
-        kda_mma8<FAST>(acc2[u], af, b0, b1);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 3; ++u) {
+        int a, mat, nt;
+        cross_tile(warp + 8 * u, a, mat, nt);
+        const int b = nt >> 1;
+        const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
+        const uint16_t* Xs = mat ? Ks : Qs;
+        const int ra = a * kSub + gq, jb = nt * 8 + gq;
+#pragma unroll
+        for (int s = 0; s < kKdaPass / 8; ++s) {
+          const int cl = s * 8 + t4, c = cp0 + cl;
+          const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
+                                        f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
+                                        f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
+                                        f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
+          float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
+          if (E != nullptr) {
+            b0 *= E[c];
+            b1 *= E[c + 4];
+          }
+          mma8<false>(acc2[u], af, b0, b1);
+        }
       }
     }
 
@@ -404,7 +447,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
 #pragma unroll
   for (int u = 0; u < 3; ++u) {
     int a, mat, nt;
-    cross_tile(warp + 8 * u, a, mat, nt);
+    if constexpr (FAST) cross_tile_fast(warp, u, a, mat, nt);
+    else cross_tile(warp + 8 * u, a, mat, nt);
     const float b0 = Bs[nt * 8 + 2 * t4], b1 = Bs[nt * 8 + 2 * t4 + 1];
     if (mat == 0) {
       const float s = p.scale;
