@@ -9,9 +9,10 @@
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels");
 // in session 10 KDA_CUDA_KDA_PREP=4 / 5 (KDA prep v3); in session 11 KDA_CUDA_GDN_PREP=1 (the GDN prep v1
 // gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227) and KDA_CUDA_KDA_PREP=2 (kda_chunk_prep2 without the 8x8
-// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; since
-// session 12 any other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of
-// this file (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
+// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; KDA 6 (session 13, opt-in)
+// runs kda_chunk_prep2's FAST instance (the same outputs bit for bit, fewer instructions). Since session 12 any
+// other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of this file
+// (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 11):
 // 11 (the default since session 12) delta_chunk_scan7_kernel<KP, true> (delta_chunk_scan7.cuh) where it applies
 // (scan7_applies: bf16/fp16 inputs, bf16 workspace, V <= 256, sm_90+; session 12 candidate call, one H200: scan
