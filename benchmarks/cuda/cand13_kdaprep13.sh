@@ -22,7 +22,7 @@
 #      claim is exact), not a tolerance question.
 #  (2) per-kernel times, one process, B1 T8192 H16 HV32 K=V=128 bf16: kda fwd (default, i.e. 3), fwd_kda_prep3
 #      (the same kernel again: the noise), fwd_kda_prep6. Expected: kda_chunk_prep2_kernel<128, bf16, true, false>
-#      ~0.56-0.57 ms for the default and for 3; <..., true, true> (=6) 0.48-0.54 ms by the instruction counts (about
+#      ~0.56-0.57 ms for the default and for 3; <..., true, true> (=6) 0.46-0.54 ms by the instruction counts (about
 #      -20 % warp instructions per block, estimated from the SASS), but session 10's prep v3, which also cut S5's
 #      conversions and P2's work, measured 0.570 against 0.569 with ~20 % fewer instructions estimated: anything
 #      from no gain to ~15 % is plausible. Adopt 6 as the default only if it is faster by more than the 3-vs-default
