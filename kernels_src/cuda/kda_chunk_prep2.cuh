@@ -113,7 +113,7 @@ struct KdaPrep2Smem {
 };
 
 // c += a b on one 16x8x8 tile, tf32 operands: mma8<false>'s (cvt.rna) or, FAST, to_tf32_fast's (the same bits for
-// every non-NaN input, 2 instructions instead of 3 per conversion).
+// every non-NaN input; in the SASS one IADD per conversion, cvt.rna's FSETP + IADD: the mma ignores the low bits).
 template <bool FAST>
 __device__ __forceinline__ void kda_mma8(float* c, const float4& a, float b0, float b1) {
   if constexpr (FAST) {
@@ -127,9 +127,10 @@ __device__ __forceinline__ void kda_mma8(float* c, const float4& a, float b0, fl
 // Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
 // WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w goes out as bf16 (prep_w_u0).
 // FAST (KDA_CUDA_KDA_PREP=6, session 13, opt-in): the same values bit for bit (non-NaN inputs) with fewer
-// instructions: tf32 conversions by to_tf32_fast (P2, the lower-left quarters), and S5 as gdn_chunk_prep2's
-// (prep2_w_u0_x: T rounded to tf32 once in shared memory after S4, its A fragments by ldmatrix, jobs in pairs, u0
-// as float2); same tf32 operands and accumulation order as prep_w_u0.
+// instructions: tf32 conversions by to_tf32_fast (P2, the lower-left quarters), P2's tiles regrouped so that a
+// warp's tiles share their A operand (cross_tile_fast), and S5 as gdn_chunk_prep2's (prep2_w_u0_x: T rounded to
+// tf32 once in shared memory after S4, its A fragments by ldmatrix, jobs in pairs, u0 as float2); every tile the
+// same tf32 operands in the same accumulation order (docs/cuda.md, "KDA prep FAST instance").
 template <int KP, typename T16, bool WB = false, bool FAST = false>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
