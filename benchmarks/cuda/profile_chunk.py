@@ -55,8 +55,10 @@ KNOB_SWEEPS = [
      "and output warps in one block, bf16 m16n8k16 operands), 10 scan7 with U plain bf16 (4 the bulk-prefetch "
      "scan3, 5 / 6 the split forward, 7 scan5, 8 scan6, 9 scan6 with warp pairs: retired in sessions 11 and 12, "
      "refused)"),
-    # (--kda-prep / --gdn-prep: KDA_CUDA_KDA_PREP / KDA_CUDA_GDN_PREP have only their defaults left since session
-    # 11, KDA 3 and GDN 2; the other values' kernels were retired and are refused)
+    ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
+     "3 kda_chunk_prep2 with the 8x8 split, the default, 6 its FAST instance (session 13: the same outputs bit for "
+     "bit from fewer instructions; 0, 1, 2, 4, 5: retired, refused)"),
+    # (--gdn-prep: KDA_CUDA_GDN_PREP has only its default, 2, left since session 11; 0 and 1 are refused)
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
      "default for bf16/fp16 inputs, 8 / 9 / 10 state_fwd_bf16 (bf16 m16n8k16 operands; 9: U as hi + lo, 10: U and "
