@@ -244,7 +244,7 @@ def test_retired_fwd_knob_values_are_refused(family, knob, value, dtype, monkeyp
 
 # values no kernel has (typos, text): refused with the knob's name, the value and the accepted values (env_choice in
 # delta_host.cuh) instead of silently running the default. Accepted: KDA_CUDA_CHUNK_SCAN 0 (unset), 1, 10, 11 and any
-# value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3; KDA_CUDA_GDN_PREP 2, 3;
+# value a later session adds (so no small number is used here); KDA_CUDA_KDA_PREP 3, 6; KDA_CUDA_GDN_PREP 2, 3;
 # KDA_CUDA_CHUNK_WS_BF16 0, 1; KDA_CUDA_CHUNK_BV 0, 16, 32; KDA_CUDA_CHUNK_FWD 0, 1.
 UNKNOWN_FWD = [("KDA_CUDA_CHUNK_SCAN", "99"), ("KDA_CUDA_CHUNK_SCAN", "-3"), ("KDA_CUDA_CHUNK_SCAN", "scan6"),
                ("KDA_CUDA_CHUNK_SCAN", "8x"), ("KDA_CUDA_KDA_PREP", "7"), ("KDA_CUDA_KDA_PREP", "v2"),
@@ -281,8 +281,10 @@ def test_accepted_fwd_knob_values_run(family, monkeypatch):
     fn = getattr(OPS, f"{family}_chunk_fwd")
     o_def, s_def = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)
     prep = ("KDA_CUDA_KDA_PREP", "3") if family == "kda" else ("KDA_CUDA_GDN_PREP", "2")
+    # (KDA_CUDA_KDA_PREP=6: the default prep's FAST instance, the same bits; tests/test_cuda_kda_prep_fast.py)
+    fast = ({"KDA_CUDA_KDA_PREP": "6"},) if family == "kda" else ()
     for env in ({"KDA_CUDA_CHUNK_SCAN": "0"}, {"KDA_CUDA_CHUNK_SCAN": "11"}, dict([prep]),
-                {"KDA_CUDA_CHUNK_WS_BF16": "1"}, {"KDA_CUDA_CHUNK_FWD": "1"}, {"KDA_CUDA_CHUNK_BV": "32"}):
+                {"KDA_CUDA_CHUNK_WS_BF16": "1"}, {"KDA_CUDA_CHUNK_FWD": "1"}, {"KDA_CUDA_CHUNK_BV": "32"}) + fast:
         for key, val in env.items():
             monkeypatch.setenv(key, val)
         o, s = fn(q, k, v, g, beta, 128 ** -0.5, h0, cu)

@@ -9,9 +9,10 @@
 // KDA_CUDA_KDA_PREP=0 / KDA_CUDA_GDN_PREP=0 (the generic prep for 16-bit inputs; docs/cuda.md, "Retired kernels");
 // in session 10 KDA_CUDA_KDA_PREP=4 / 5 (KDA prep v3); in session 11 KDA_CUDA_GDN_PREP=1 (the GDN prep v1
 // gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227) and KDA_CUDA_KDA_PREP=2 (kda_chunk_prep2 without the 8x8
-// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; since
-// session 12 any other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of
-// this file (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
+// split, 0.617 ms against 0.571). The remaining values (GDN 2, KDA 3) are the defaults; KDA 6 (session 13, opt-in)
+// runs kda_chunk_prep2's FAST instance (the same outputs bit for bit, fewer instructions). Since session 12 any
+// other value raises an error (env_choice, delta_host.cuh), as do unknown values of every knob of this file
+// (KDA_CUDA_CHUNK_SCAN, _WS_BF16, _BV, _FWD). Both prep variables are read at every call.
 // The scan (KDA_CUDA_CHUNK_SCAN, read at every call; accepted values: kChunkScanModes below, unset or 0 = 11):
 // 11 (the default since session 12) delta_chunk_scan7_kernel<KP, true> (delta_chunk_scan7.cuh) where it applies
 // (scan7_applies: bf16/fp16 inputs, bf16 workspace, V <= 256, sm_90+; session 12 candidate call, one H200: scan
@@ -109,25 +110,32 @@ void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, b
 
 // KDA, bf16/fp16 inputs: kda_chunk_prep2_kernel (same workspace as delta_chunk_prep_kernel<true, KP, false>; gate
 // factors as products of e^{g_i} within a sub-chunk) with its 8x8 split of the diagonal blocks (the instance
-// without, KDA_CUDA_KDA_PREP=2, was retired in session 11).
-template <int KP, typename T16, bool WB>
+// without, KDA_CUDA_KDA_PREP=2, was retired in session 11). FAST (KDA_CUDA_KDA_PREP=6, opt-in since session 13):
+// its instance with the same outputs bit for bit from fewer instructions (kda_chunk_prep2.cuh).
+template <int KP, typename T16, bool WB, bool FAST>
 void launch_kda_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = KdaPrep2Smem<KP>::bytes;
-  auto kern = kda_chunk_prep2_kernel<KP, T16, WB>;
+  auto kern = kda_chunk_prep2_kernel<KP, T16, WB, FAST>;
   allow_dynamic_smem(kern, smem);
   kern<<<dim3(static_cast<unsigned>(max_chunks), static_cast<unsigned>(p.HV)), kGdnThreads, smem, st>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int KP>
-void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
+template <int KP, bool FAST>
+void launch_kda_prep_f(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
   if (wb) {
-    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
-    else launch_kda_prep2_t<KP, __half, true>(p, max_chunks, st);
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, true, FAST>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, true, FAST>(p, max_chunks, st);
   } else {
-    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false>(p, max_chunks, st);
-    else launch_kda_prep2_t<KP, __half, false>(p, max_chunks, st);
+    if (p.in_dtype == kBF16) launch_kda_prep2_t<KP, __nv_bfloat16, false, FAST>(p, max_chunks, st);
+    else launch_kda_prep2_t<KP, __half, false, FAST>(p, max_chunks, st);
   }
+}
+
+template <int KP>
+void launch_kda_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb, bool fast) {
+  if (fast) launch_kda_prep_f<KP, true>(p, max_chunks, st, wb);
+  else launch_kda_prep_f<KP, false>(p, max_chunks, st, wb);
 }
 
 template <int KP, int BV, bool PRECISE>
@@ -167,14 +175,15 @@ inline bool scan7_applies(const ChunkFwdParams& p) {
 }
 
 // The state-independent half of the forward: the prep kernels fill the workspace (per chunk w, q~, k~^T, A~, u).
+// kda_fast: KDA_CUDA_KDA_PREP=6 (KDA, bf16/fp16 inputs only).
 template <bool PC, int KP, bool PRECISE>
-void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+void run_chunk_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool kda_fast) {
   if (max_chunks <= 0) return;
   if constexpr (!PC && !PRECISE) {  // GDN, bf16/fp16 inputs
     // gdn_chunk_prep2 (default since session 10: 0.227 vs v1's 0.297 ms at B1 T8192 H16 HV32; v1 retired)
     launch_gdn_prep<KP>(p, max_chunks, st, scan7_applies(p));
   } else if constexpr (PC && !PRECISE) {  // KDA, bf16/fp16 inputs
-    launch_kda_prep<KP>(p, max_chunks, st, scan7_applies(p));
+    launch_kda_prep<KP>(p, max_chunks, st, scan7_applies(p), kda_fast);
   } else {
     launch_chunk_prep<PC, KP>(p, max_chunks, st);
   }
@@ -201,6 +210,7 @@ void run_chunk_scan(const char* op, const ChunkFwdParams& p, cudaStream_t st) {
 // The two halves for the call's head-dim padding (KP) and input precision (fp32 inputs: 3xTF32, PRECISE).
 template <bool PC>
 void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
+  bool kda_fast = false;
   if constexpr (PC) {
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 1, "the v1 KDA prep kda_chunk_prep_kernel");
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
@@ -210,7 +220,8 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 5, "the KDA prep v3 kda_chunk_prep3_kernel (unrolled)", 10);
     // (2: kda_chunk_prep2 without the 8x8 split, 0.617 ms in session 7 against 0.571 with it in session 8; removed)
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 2, "kda_chunk_prep2_kernel without the 8x8 split", 11);
-    env_choice("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 3, {3});  // kda_chunk_prep2 with the split (fp32: generic)
+    // kda_chunk_prep2 with the split (fp32 inputs: the generic prep for either value); 6: its FAST instance
+    kda_fast = env_choice("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 3, {3, 6}) == 6;
   } else {
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
     // (1: the GDN prep v1 gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227 in session 10; kernel removed)
@@ -219,11 +230,11 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
   }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
-    if (precise) run_chunk_prep<PC, 64, true>(p, max_chunks, st);
-    else run_chunk_prep<PC, 64, false>(p, max_chunks, st);
+    if (precise) run_chunk_prep<PC, 64, true>(p, max_chunks, st, kda_fast);
+    else run_chunk_prep<PC, 64, false>(p, max_chunks, st, kda_fast);
   } else {
-    if (precise) run_chunk_prep<PC, 128, true>(p, max_chunks, st);
-    else run_chunk_prep<PC, 128, false>(p, max_chunks, st);
+    if (precise) run_chunk_prep<PC, 128, true>(p, max_chunks, st, kda_fast);
+    else run_chunk_prep<PC, 128, false>(p, max_chunks, st, kda_fast);
   }
 }
 

@@ -161,11 +161,12 @@ __device__ __forceinline__ void prep2_round_t(float* Ts, int tid) {
 // 128 columns of v between block barriers.
 // WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w as bf16 in the fragment order of the bf16 sections (ws_put_frag), in the
 // first half of its fp32 section (delta_chunk_scan7.cuh); u0 and the products as before.
-template <int KP, typename T16, bool WB = false>
-__device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
-                                           uint16_t* Vs, const uint16_t* Ks, const float* Ea, const uint16_t* vg,
-                                           int L, bool vec_v, int tid) {
-  constexpr int LDA = kPrepLDA, LDV = kPrepLDV, LDH = KP + 8;
+// X[t][c] = xw(t, c) (fp32; GDN: k_t e^{G_t}, KDA's FAST instance: its X table in shared memory).
+template <int KP, typename T16, bool WB = false, typename XW>
+__device__ __forceinline__ void prep2_w_u0_x(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL,
+                                             const float* Ts, uint16_t* Vs, const uint16_t* vg, int L, bool vec_v,
+                                             int tid, XW xw) {
+  constexpr int LDA = kPrepLDA, LDV = kPrepLDV;
   constexpr int ntw = KP / 8;
   static_assert(ntw % 2 == 0, "w jobs come in pairs");
   const int lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;
@@ -198,7 +199,7 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int t = s * 8 + t4 + 4 * hh, c = n0 + 8 * jj + gq;
-            b[jj][s][hh] = to_tf32_fast(isw ? f16(Ks[t * LDH + c]) * Ea[t] : f16(Vs[t * LDV + c]));
+            b[jj][s][hh] = to_tf32_fast(isw ? xw(t, c) : f16(Vs[t * LDV + c]));
           }
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
@@ -242,6 +243,16 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
       }
     }
   }
+}
+
+template <int KP, typename T16, bool WB = false>
+__device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, const WsLayout<KP>& WL, const float* Ts,
+                                           uint16_t* Vs, const uint16_t* Ks, const float* Ea, const uint16_t* vg,
+                                           int L, bool vec_v, int tid) {
+  constexpr int LDH = KP + 8;
+  auto f16 = [](uint16_t x) { return to_f32(*reinterpret_cast<const T16*>(&x)); };
+  prep2_w_u0_x<KP, T16, WB>(p, ws, WL, Ts, Vs, vg, L, vec_v, tid,
+                            [&](int t, int c) { return f16(Ks[t * LDH + c]) * Ea[t]; });
 }
 
 template <int KP, typename T16, bool WB = false>

@@ -37,7 +37,7 @@
 // written as zeros.
 #pragma once
 
-#include "gdn_chunk_prep.cuh"
+#include "gdn_chunk_prep2.cuh"  // (and gdn_chunk_prep.cuh) FAST: prep2_round_t, prep2_w_u0_x, to_tf32_fast
 
 namespace kda_kernels {
 namespace cuda {
@@ -75,6 +75,18 @@ __device__ __forceinline__ void cross_tile(int tile, int& a, int& mat, int& nt) 
   nt = local - mat * 2 * a;
 }
 
+// FAST's assignment of the same 24 tiles (warp, u = 0..2) so that a warp's tiles share their A operand (rows of
+// sub-chunk a of q or k): warps 0-3 (a = 3; q: 0, 1, k: 2, 3) three tiles each, warps 4 / 5 (a = 2, q / k) nt 0..2,
+// warps 6 / 7 (q / k) the tile (2, nt 3), then a = 1's two tiles.
+__device__ __forceinline__ void cross_tile_fast(int warp, int u, int& a, int& mat, int& nt) {
+  if (warp < 4) {
+    a = 3, mat = warp >> 1, nt = 3 * (warp & 1) + u;
+  } else if (warp < 6 || u == 0) {
+    a = 2, mat = warp & 1, nt = warp < 6 ? u : 3;
+  } else {
+    a = 1, mat = warp & 1, nt = u - 1;
+  }
+}
 
 template <int KP>
 struct KdaPrep2Smem {
@@ -100,9 +112,26 @@ struct KdaPrep2Smem {
                 "16-byte aligned sections");
 };
 
+// c += a b on one 16x8x8 tile, tf32 operands: mma8<false>'s (cvt.rna) or, FAST, to_tf32_fast's (the same bits for
+// every non-NaN input; in the SASS one IADD per conversion, cvt.rna's FSETP + IADD: the mma ignores the low bits).
+template <bool FAST>
+__device__ __forceinline__ void kda_mma8(float* c, const float4& a, float b0, float b1) {
+  if constexpr (FAST) {
+    mma_tf32_raw(c, to_tf32_fast(a.x), to_tf32_fast(a.y), to_tf32_fast(a.z), to_tf32_fast(a.w), to_tf32_fast(b0),
+                 to_tf32_fast(b1));
+  } else {
+    mma8<false>(c, a, b0, b1);
+  }
+}
+
 // Each 16x16 diagonal block in 8x8 quarters (the 8x8 split); see the end of the header comment.
 // WB (scan7, KDA_CUDA_CHUNK_SCAN=10 / 11): w goes out as bf16 (prep_w_u0).
-template <int KP, typename T16, bool WB = false>
+// FAST (KDA_CUDA_KDA_PREP=6, session 13, opt-in): the same values bit for bit (non-NaN inputs) with fewer
+// instructions: tf32 conversions by to_tf32_fast (P2, the lower-left quarters), P2's tiles regrouped so that a
+// warp's tiles share their A operand (cross_tile_fast), and S5 as gdn_chunk_prep2's (prep2_w_u0_x: T rounded to
+// tf32 once in shared memory after S4, its A fragments by ldmatrix, jobs in pairs, u0 as float2); every tile the
+// same tf32 operands in the same accumulation order (docs/cuda.md, "KDA prep FAST instance").
+template <int KP, typename T16, bool WB = false, bool FAST = false>
 __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = KdaPrep2Smem<KP>;
   constexpr int LDH = SM::LDH, LDG = SM::LDG, LDF = SM::LDF, LDA = kPrepLDA;
@@ -248,28 +277,59 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
     __syncthreads();
 
     // ---- P2: cross-sub-chunk tiles, rows of sub-chunk a (q or k, times e^{G_t - G_r}) x (k_j e^{G_s - G_j}
-    //      e^{G_r - G_s}), this pass's 32 channels
-#pragma unroll
-    for (int u = 0; u < 3; ++u) {
-      int a, mat, nt;
-      cross_tile(warp + 8 * u, a, mat, nt);
-      const int b = nt >> 1;
-      const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
-      const uint16_t* Xs = mat ? Ks : Qs;
-      const int ra = a * kSub + gq, jb = nt * 8 + gq;
+    //      e^{G_r - G_s}), this pass's 32 channels. FAST: tiles by cross_tile_fast, k-steps outside, the A operand
+    //      formed once per k-step (warps 6-7: twice); each tile's products and their order as below.
+    if constexpr (FAST) {
 #pragma unroll
       for (int s = 0; s < kKdaPass / 8; ++s) {
         const int cl = s * 8 + t4, c = cp0 + cl;
-        const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
-                                      f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
-                                      f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
-                                      f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
-        float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
-        if (E != nullptr) {
-          b0 *= E[c];
-          b1 *= E[c + 4];
+        float4 af = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < 3; ++u) {
+          int a, mat, nt;
+          cross_tile_fast(warp, u, a, mat, nt);
+          if (u == 0 || (u == 1 && warp >= 6)) {
+            const uint16_t* Xs = mat ? Ks : Qs;
+            const int ra = a * kSub + gq;
+            af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
+                             f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
+                             f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
+                             f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
+          }
+          const int b = nt >> 1, jb = nt * 8 + gq;
+          const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
+          float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl];
+          float b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
+          if (E != nullptr) {
+            b0 *= E[c];
+            b1 *= E[c + 4];
+          }
+          kda_mma8<true>(acc2[u], af, b0, b1);
         }
-        mma8<false>(acc2[u], af, b0, b1);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 3; ++u) {
+        int a, mat, nt;
+        cross_tile(warp + 8 * u, a, mat, nt);
+        const int b = nt >> 1;
+        const float* E = b == a - 1 ? nullptr : Ex + (a == 2 ? 0 : (b == 1 ? 1 : 2)) * KP;
+        const uint16_t* Xs = mat ? Ks : Qs;
+        const int ra = a * kSub + gq, jb = nt * 8 + gq;
+#pragma unroll
+        for (int s = 0; s < kKdaPass / 8; ++s) {
+          const int cl = s * 8 + t4, c = cp0 + cl;
+          const float4 af = make_float4(f16(Xs[ra * LDH + c]) * Fs[ra * LDF + cl],
+                                        f16(Xs[(ra + 8) * LDH + c]) * Fs[(ra + 8) * LDF + cl],
+                                        f16(Xs[ra * LDH + c + 4]) * Fs[ra * LDF + cl + 4],
+                                        f16(Xs[(ra + 8) * LDH + c + 4]) * Fs[(ra + 8) * LDF + cl + 4]);
+          float b0 = f16(Ks[jb * LDH + c]) * Rf[jb * LDF + cl], b1 = f16(Ks[jb * LDH + c + 4]) * Rf[jb * LDF + cl + 4];
+          if (E != nullptr) {
+            b0 *= E[c];
+            b1 *= E[c + 4];
+          }
+          mma8<false>(acc2[u], af, b0, b1);
+        }
       }
     }
 
@@ -284,7 +344,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
         const float h0 = Hs[r * LDF + cl], h1 = Hs[r * LDF + cl + 4];
         const float4 af = make_float4(f16(Qs[r * LDH + c]) * h0, f16(Ks[r * LDH + c]) * h0,
                                       f16(Qs[r * LDH + c + 4]) * h1, f16(Ks[r * LDH + c + 4]) * h1);
-        mma8<false>(accq, af, f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl], f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4]);
+        kda_mma8<FAST>(accq, af, f16(Ks[jb * LDH + c]) * Hs[jb * LDF + cl],
+                       f16(Ks[jb * LDH + c + 4]) * Hs[jb * LDF + cl + 4]);
       }
     }
 
@@ -387,7 +448,8 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
 #pragma unroll
   for (int u = 0; u < 3; ++u) {
     int a, mat, nt;
-    cross_tile(warp + 8 * u, a, mat, nt);
+    if constexpr (FAST) cross_tile_fast(warp, u, a, mat, nt);
+    else cross_tile(warp + 8 * u, a, mat, nt);
     const float b0 = Bs[nt * 8 + 2 * t4], b1 = Bs[nt * 8 + 2 * t4 + 1];
     if (mat == 0) {
       const float s = p.scale;
@@ -434,7 +496,13 @@ __global__ void __launch_bounds__(kGdnThreads, 2) kda_chunk_prep2_kernel(const C
   __syncthreads();
 
   // ---- S5: w = T X (fragment order), u0 = T V (row-major)
-  prep_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  if constexpr (FAST) {
+    prep2_round_t(Ts, tid);  // T's blocks S5 reads, to tf32 in place (S3 / S4 needed them in fp32)
+    __syncthreads();
+    prep2_w_u0_x<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  } else {
+    prep_w_u0<KP, T16, WB>(p, ws, WL, Ts, Vs, vsrc, L, vec_v, tid, [&](int t, int c) { return Gx[t * LDG + c]; });
+  }
 }
 
 }  // namespace cuda
