@@ -32,11 +32,5 @@ for shape in 1,8192,16,32,128,128 4,4096,16,32,128,128 1,8192,32,32,128,128; do
   timeout -k 5 60 python3 benchmarks/cuda/profile_chunk.py --families gdn --phases fwd --shape "$shape" \
     --gdn-prep 2,3 > "$D/kernel_times_$tag.json" 2> "$D/kernel_times_$tag.err"
   echo "gdnprep13 profile $shape exit $?"
-  python3 - "$D/kernel_times_$tag.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))["gdn"]
-for row in ("fwd", "fwd_gdn_prep2", "fwd_gdn_prep3"):
-    x = r.get(row, {})
-    print(row, {k.split("(")[0].split("::")[-1][:60]: v for k, v in x.items() if "prep" in k or "scan" in k})
-PY
+  python3 benchmarks/cuda/profile_chunk.py --kernels "$D/kernel_times_$tag.json" prep,scan
 done

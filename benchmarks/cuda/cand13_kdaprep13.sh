@@ -40,9 +40,4 @@ timeout -k 5 90 python3 benchmarks/cuda/profile_chunk.py --phases fwd --families
   > "$D/kernel_times.json" 2> "$D/kernel_times.err"
 echo "kdaprep13 profile exit $?"
 python3 benchmarks/cuda/profile_chunk.py --summarize "$D/kernel_times.json"
-python3 - "$D/kernel_times.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))["kda"]
-for row in ("fwd", "fwd_kda_prep3", "fwd_kda_prep6"):
-    print(row, {k.split("(")[0].split("::")[-1]: v for k, v in r.get(row, {}).items() if "prep" in k})
-EOF
+python3 benchmarks/cuda/profile_chunk.py --kernels "$D/kernel_times.json" prep

@@ -29,30 +29,9 @@ STATE_FWD_BF16_ERRS="$D/errs.txt" timeout -k 5 170 python3 -m pytest -q $XD -p n
   tests/test_cuda_state_fwd_bf16.py tests/test_cuda_state_fwd_bf16_emu.py > "$D/tests.log" 2>&1
 echo "sfwd13 tests exit $?: $(tail -1 "$D/tests.log")"
 grep -E "^FAILED|^ERROR" "$D/tests.log" | head -20
-python3 - "$D/errs.txt" <<'PY'
-import re, sys
-worst = {}
-for line in open(sys.argv[1]) if __import__("os").path.exists(sys.argv[1]) else []:
-    m = re.search(r"STATE_FWD=(\d+): (.*)", line)
-    if not m:
-        continue
-    for name, ratio in re.findall(r"(\w+) \S+ \(([0-9.]+)\)", m.group(2)):
-        key = (m.group(1), name)
-        worst[key] = max(worst.get(key, 0.0), float(ratio))
-for v in sorted({k[0] for k in worst}, key=int):
-    print(f"sfwd13 worst err/tol STATE_FWD={v}: " + " ".join(f"{n} {worst[(v, n)]:.3f}"
-          for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0") if (v, n) in worst))
-PY
+python3 benchmarks/cuda/worst_errs.py "$D/errs.txt"
 timeout -k 5 90 python3 benchmarks/cuda/profile_chunk.py --phases bwd --bwd-state-fwd 8,9,10 \
   > "$D/kernel_times.json" 2> "$D/kernel_times.err"
 echo "sfwd13 profile exit $?"
 python3 benchmarks/cuda/profile_chunk.py --summarize "$D/kernel_times.json"
-python3 - "$D/kernel_times.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-for fam in ("kda", "gdn"):
-    for row in ("bwd", "bwd_state_fwd8", "bwd_state_fwd9", "bwd_state_fwd10"):
-        ks = r.get(fam, {}).get(row, {})
-        st = {k.split("(")[0].split("::")[-1]: v for k, v in ks.items() if "state_fwd" in k}
-        print(f"sfwd13 {fam} {row}: " + " ".join(f"{k} {v:.3f}" for k, v in st.items()))
-PY
+python3 benchmarks/cuda/profile_chunk.py --kernels "$D/kernel_times.json" state_fwd

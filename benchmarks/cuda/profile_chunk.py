@@ -81,7 +81,8 @@ KNOB_SWEEPS = [
      "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default (3, it with "
      "plain tf32 for bf16 inputs: retired in session 11, refused)"),
     ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
-     "0 the GVA reduce of dq, dk in torch, the default, 1 gva_reduce_kernel (one launch for both)"),
+     "1 gva_reduce_kernel (the GVA reduce of dq, dk in one launch), the default since session 9, 0 the reduce in "
+     "torch"),
     ("--bwd-window", "KDA_CUDA_CHUNK_BWD_WINDOW", "bwd", "bwd_window", False,
      "0 no windows, the default (one call over the whole sequence), N tokens per window, -1 about 65536 / (B * HV), "
      "2048 at B1 HV32 (the windowed backward also runs the chunked forward over all windows but the last)"),
@@ -116,9 +117,26 @@ def summarize(paths):
                       {k.split("(")[0].split("::")[-1]: v for k, v in xs.items() if v > 0.1})
 
 
+def kernels_matching(path, words):
+    """Per family and timed row of this script's JSON output, the kernels whose names contain one of the
+    comma-separated `words` (e.g. "prep" or "state_fwd"), short names: how the candidate scripts show the kernels a
+    knob swaps."""
+    r = json.load(open(path))
+    for fam in ("kda", "gdn"):
+        for row, x in r.get(fam, {}).items():
+            if row == "peak_mib":
+                continue
+            ks = {k.split("(")[0].split("::")[-1][:60]: v for k, v in x.items()
+                  if any(w in k for w in words.split(","))}
+            if ks:
+                print(fam, row, " ".join(f"{k} {v:.3f}" for k, v in ks.items()))
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--summarize":  # no GPU needed
         return summarize(sys.argv[2:])
+    if len(sys.argv) == 4 and sys.argv[1] == "--kernels":  # --kernels FILE WORDS; no GPU needed
+        return kernels_matching(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1,8192,16,32,128,128", help="B,T,H,HV,K,V")
     ap.add_argument("--families", default="kda,gdn", help="comma-separated: kda, gdn")
