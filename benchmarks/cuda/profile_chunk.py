@@ -73,9 +73,10 @@ KNOB_SWEEPS = [
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs (GDN: every "
-     "value but 2 runs its prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the "
-     "split, in session 11; refused)"),
+     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs, 6 the KDA prep "
+     "v6: v4 with each 3xTF32 split formed once, bit-identical (session 13, opt-in) (GDN: every value but 2 runs its "
+     "prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the split, in session 11; "
+     "refused; others refused as unknown)"),
     # (--bwd-ch: KDA_CUDA_CHUNK_BWD_CH has only its default, 2, left since session 11; 1, 3, 4 are refused)
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
      "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default (3, it with "

@@ -77,9 +77,11 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // prep v3's 1.02 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 8; GDN runs its prep v3,
     // delta_chunk_bwd_prep.cuh, for every value but 2), 2 = the fp32 SIMT v2 with the forward substitution in
     // registers (always for fp32 inputs). Retired: 3 and 5 for KDA (prep v3; v4 without the split, 0.91 ms, in
-    // session 11; refused by chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution)
+    // session 11; refused by chunk_bwd_prep_stage) and 1 (v1, the serial forward substitution). 6 = KDA's prep v6
+    // (session 13, opt-in): v4 with each 3xTF32 split formed once, the same outputs bit for bit (GDN: its prep v3).
+    // Other values are refused here.
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
-    const int prep_mode = env_int("KDA_CUDA_CHUNK_BWD_PREP", 4);
+    const int prep_mode = env_choice(op, "KDA_CUDA_CHUNK_BWD_PREP", 4, {2, 3, 4, 5, 6});
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
     work.assign(kBwWorkSize, at::Tensor());
@@ -211,6 +213,8 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
       constexpr size_t smem4 = cb::prep4_smem<PC>();
       const bool bf = p.in_dtype == kBF16;
       auto kern = bf ? cb::prep4_kernel<PC, __nv_bfloat16>() : cb::prep4_kernel<PC, __half>();
+      if (prep_mode == 6)  // prep v6 (KDA; GDN: the same prep v3)
+        kern = bf ? cb::prep4_kernel<PC, __nv_bfloat16, true>() : cb::prep4_kernel<PC, __half, true>();
       allow_dynamic_smem(kern, smem4, /*max_carveout=*/true);  // two blocks per SM
       kern<<<gchunks, cb::NT, smem4, st>>>(p);
     }
