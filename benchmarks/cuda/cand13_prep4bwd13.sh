@@ -4,7 +4,8 @@
 # prep v4 with each 3xTF32 hi / lo split formed once per fragment and reused (P2 tiles regrouped by row block, T's
 # fragments pre-split in S4 for S5, two S5 jobs per sweep, hoisted store addresses). Claimed bit-identical to =4.
 # Checked without a GPU (nvcc 13.0, sm_90a): 125 registers, no spills; prep4_kda_kernel<*, false> and every other
-# kernel of kda_chunk_bwd.o have main's SASS; per warp ~14 300 -> ~10 500 issued instructions by the SASS (-27 %).
+# kernel of kda_chunk_bwd.o have main's SASS; per warp ~13 700 -> ~9 000 issued instructions by SASS path lengths
+# (-34 %, averaged over the 8 warps; the same HMMAs).
 # Unknown KDA_CUDA_CHUNK_BWD_PREP values (0, 7, text) are now refused (env_choice), 2-6 accepted as before.
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; one H200; writes under
 # $OUT/prep4bwd13. About 90-130 s in all.
