@@ -54,7 +54,8 @@ static_assert(2 * kPrep4KdaSmem <= 227 * 1024, "two prep v4 blocks per SM");
 //       blocks: each B fragment split once per job (v4: once per row block), T's fragments read pre-split
 //       (16-byte reads) and used by both jobs;
 //   build  Q Gam / K Eend stores through a row pointer formed once per thread and pass (v4: 64-bit index math per
-//       store).
+//       store);
+//   quarter  the lower-left 8x8 quarters on warps 4-7 (v4: 0-3), whose P2 share is the lighter.
 // P2's tile per warp (a, mat, nt): warps 0-3 three tiles of (3, warp / 2), warps 4-5 three of (2, warp - 4), warps
 // 6-7 (2, warp - 6, 3) then (1, warp - 6, 0), (1, warp - 6, 1).
 __host__ __device__ constexpr void cross_tile6(int warp, int u, int& a, int& mat, int& nt) {
@@ -342,7 +343,8 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
     if (jl < NH) q1[jl % NH] = k1[jl % NH] = 0.f;
     q2[jl] = k2[jl] = 0.f;
   }
-  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp`
+  float accq[4] = {0.f, 0.f, 0.f, 0.f};  // warps 0-3: the lower-left 8x8 quarter of sub-chunk `warp` (V6: 4-7, qa)
+  const int qa = V6 ? warp - 4 : warp;
   float acc2[3][4];                      // P2: tiles warp, warp + 8, warp + 16
 #pragma unroll
   for (int u = 0; u < 3; ++u) acc2[u][0] = acc2[u][1] = acc2[u][2] = acc2[u][3] = 0.f;
@@ -460,11 +462,12 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
       }
     }
 
-    // ---- warps 0-3: the lower-left 8x8 quarter of sub-chunk a = warp on tensor cores (3xTF32), through
-    //      the token m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times e^{G_t - G_m}; columns
-    //      k_j e^{G_m - G_j} (j = 16a + gq): one 16x8 tile carries both products, every factor <= 1
-    if (warp < 4) {
-      const int r = warp * kSub + 8 + gq, jb = warp * kSub + gq;
+    // ---- warps 0-3 (V6: 4-7, the lighter ones in P2): the lower-left 8x8 quarter of sub-chunk a = qa on tensor
+    //      cores (3xTF32), through the token m = 16a + 7: rows 0-7 q_t, rows 8-15 k_t (t = 16a + 8 + gq) times
+    //      e^{G_t - G_m}; columns k_j e^{G_m - G_j} (j = 16a + gq): one 16x8 tile carries both products, every
+    //      factor <= 1
+    if (V6 ? warp >= 4 : warp < 4) {
+      const int r = qa * kSub + 8 + gq, jb = qa * kSub + gq;
 #pragma unroll
       for (int s = 0; s < kKdaPass / 8; ++s) {
         const int cl = s * 8 + t4, c = cp0 + cl;
@@ -543,8 +546,8 @@ __global__ void __launch_bounds__(NT, 2) prep4_kda_kernel(Params p) {
     p.akk[abase + t * CH + j] = 0.f;
     Ab[t * LDA + j] = 0.f;
   }
-  if (warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
-    const int t = warp * kSub + 8 + gq, j = warp * kSub + 2 * t4;
+  if (V6 ? warp >= 4 : warp < 4) {  // the lower-left quarter from accq: rows gq (q), gq + 8 (k); columns 2 t4, 2 t4 + 1
+    const int t = qa * kSub + 8 + gq, j = qa * kSub + 2 * t4;
     *reinterpret_cast<float2*>(p.aqk + abase + t * CH + j) = make_float2(accq[0], accq[1]);
     *reinterpret_cast<float2*>(p.akk + abase + t * CH + j) = make_float2(accq[2], accq[3]);
     *reinterpret_cast<float2*>(Ab + t * LDA + j) = make_float2(accq[2] * Bs[j], accq[3] * Bs[j + 1]);
