@@ -2,7 +2,8 @@
 # Session 13, branch prep4bwd13 (for a later session's candidate call): the KDA backward's prep v6,
 # KDA_CUDA_CHUNK_BWD_PREP=6 (prep4_kda_kernel<T16, true>, delta_chunk_bwd_prep4.cuh; opt-in, 4 stays the default):
 # prep v4 with each 3xTF32 hi / lo split formed once per fragment and reused (P2 tiles regrouped by row block, T's
-# fragments pre-split in S4 for S5, two S5 jobs per sweep, hoisted store addresses). Claimed bit-identical to =4.
+# fragments pre-split in S4 for S5, two S5 jobs per sweep, hoisted store addresses, the 8x8 quarter tiles on
+# warps 4-7). Claimed bit-identical to =4.
 # Checked without a GPU (nvcc 13.0, sm_90a): 125 registers, no spills; prep4_kda_kernel<*, false> and every other
 # kernel of kda_chunk_bwd.o have main's SASS; per warp ~13 700 -> ~9 000 issued instructions by SASS path lengths
 # (-34 %, averaged over the 8 warps; the same HMMAs).
