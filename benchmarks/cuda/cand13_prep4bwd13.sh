@@ -37,9 +37,4 @@ timeout -k 5 90 python3 benchmarks/cuda/profile_chunk.py --phases bwd --families
   > "$D/kernel_times.json" 2> "$D/kernel_times.err"
 echo "prep4bwd13 profile exit $?"
 python3 benchmarks/cuda/profile_chunk.py --summarize "$D/kernel_times.json"
-python3 - "$D/kernel_times.json" <<'EOF'
-import json, sys
-r = json.load(open(sys.argv[1]))["kda"]
-for row, x in r.items():
-    print("prep4bwd13", row, {k.split("(")[0].split("::")[-1]: v for k, v in x.items() if "prep4_kda" in k})
-EOF
+python3 benchmarks/cuda/profile_chunk.py --kernels "$D/kernel_times.json" prep
