@@ -21,8 +21,9 @@ BUILD_TIMEOUT=${BUILD_TIMEOUT:-200} build_cuda 15
 echo "== build took ${BUILD_S}s" | tee -a "$LOG"
 TESTS="tests/test_cuda_chunk_fwd.py tests/test_cuda_stages.py tests/test_cuda_scan7.py tests/test_cuda_state_bwd_bf16.py
   tests/test_cuda_chunk_bwd.py::test_retired_bwd_knob_values_are_refused tests/test_cuda_kda_prep_fast.py
-  tests/test_cuda_gdn_prep3.py tests/test_cuda_state_fwd_bf16.py ${PREP4_TESTS:-}"
-SCAN7_ERRS="$OUT/scan7_errs.txt" STATE_FWD_BF16_ERRS="$OUT/sfwd_errs.txt" timeout -k 5 ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 14 -p no:cacheprovider -rfE -s \
+  tests/test_cuda_gdn_prep3.py tests/test_cuda_state_fwd_bf16.py tests/test_cuda_bwd_prep6.py
+  tests/test_cuda_chunk_bwd.py::test_kda_bwd_prep4_matches_prep2 tests/test_cuda_chunk_bwd.py::test_gdn_bwd_prep4_is_prep3"
+SCAN7_ERRS="$OUT/scan7_errs.txt" STATE_FWD_BF16_ERRS="$OUT/sfwd_errs.txt" timeout -k 5 ${TEST_TIMEOUT:-230} python3 -m pytest -q -n 14 -p no:cacheprovider -rfE -s \
   $TESTS > "$OUT/tests.log" 2>&1
 echo "pytest exit $? at ${SECONDS}s: $(tail -1 "$OUT/tests.log")" | tee -a "$LOG"
 grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -30
