@@ -63,8 +63,7 @@ KNOB_SWEEPS = [
      "loads and the raw products of S1 (session 13; 0 and 1: retired, refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
-     "default for bf16/fp16 inputs, 8 / 9 / 10 state_fwd_bf16 (bf16 m16n8k16 operands; 9: U as hi + lo, 10: U and "
-     "K Eend as hi + lo; session 13, opt-in) (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
+     "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs, 10 it with bf16 operands (m16n8k16 with 16-byte A-operand reads; session 12; 9, the same "

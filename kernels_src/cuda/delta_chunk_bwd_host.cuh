@@ -111,14 +111,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 4, "state_fwd3_kernel tf32 with 32 columns per block", 11);
-    // 8 / 9 / 10 = state_fwd_bf16 (session 13, opt-in: state_fwd3 narrow's schedule with scan7's bf16 m16n8k16
-    // operands; 9 carries U as bf16 hi + lo, 10 U and K Eend; delta_chunk_bwd_state_fwd_bf16.cuh)
     c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 7);
-    TORCH_CHECK(c[kCfgStateFwd] == 2 || c[kCfgStateFwd] == 3 || c[kCfgStateFwd] == 7 || c[kCfgStateFwd] == 8 ||
-                    c[kCfgStateFwd] == 9 || c[kCfgStateFwd] == 10,
-                "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_FWD=", c[kCfgStateFwd], " is not a state_fwd kernel: use 7 (the "
-                "default, tf32 narrow), 3 (3xTF32), 8 (bf16 operands), 9 (bf16, U as hi + lo), 10 (bf16, U and K "
-                "Eend as hi + lo) or 2 (fp32 SIMT), or unset it");
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
@@ -227,11 +220,6 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
 static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
               "a state kernel needs more shared memory than the device check in chunk_bwd_run guarantees");
 
-// state_fwd with bf16 operands (KDA_CUDA_CHUNK_BWD_STATE_FWD=8 / 9 / 10): defined and instantiated in
-// delta_chunk_bwd_state_fwd_bf16.cu (its own translation unit, as state_bwd3_bf16)
-template <bool PC>
-void launch_state_fwd_bf16(const chunk_bwd::Params& p, int mode, dim3 grid, cudaStream_t st);
-
 // Stage state_fwd: the chunk-start states from initial_state (p.h0).
 template <bool PC>
 void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
@@ -247,10 +235,6 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     allow_dynamic_smem(kern, cb::kStateFwd3NarrowSmem, /*max_carveout=*/true);
     const dim3 gnar(s.N, s.HV, (s.V + bv - 1) / bv);
     kern<<<gnar, cb::kSf3Threads, cb::kStateFwd3NarrowSmem, st>>>(p);
-  } else if ((mode == 8 || mode == 9 || mode == 10) && p.in_dtype != kF32) {
-    // state_fwd_bf16 (=8 / 9 / 10): state_fwd3 narrow's grid, 16 columns per block, two blocks per SM
-    const dim3 gnar(s.N, s.HV, (s.V + cb::kSf3NarrowBV - 1) / cb::kSf3NarrowBV);
-    launch_state_fwd_bf16<PC>(p, static_cast<int>(mode), gnar, st);
   } else if (mode == 3 && p.in_dtype != kF32) {
     // state_fwd3 3xTF32 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory
     // per block (within kGradSmem, which every chunked backward checks the device for before its first stage)

@@ -96,10 +96,6 @@ struct Scan7Smem {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The recurrence warps' own barrier (named barrier 1; __syncthreads is barrier 0).
 __device__ __forceinline__ void rec_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kScan7RecThreads) : "memory"); }
-#endif  // __CUDA_ARCH__ >= 900
-
-// The bf16 operand helpers below need only mma.sync m16n8k16 (sm_80+): outside the sm_90 guard so that the
-// backward's state_fwd_bf16 (delta_chunk_bwd_state_fwd_bf16.cuh) shares them.
 
 // bf16 pair (lo: the lower 16 bits) as one 32-bit word, round to nearest even.
 __device__ __forceinline__ uint32_t s7_pack(float lo, float hi) {
@@ -151,7 +147,6 @@ __device__ __forceinline__ void s7_put_tile_hl(uint32_t* Mw, int lo, int r0, int
                  s7_pack(c[1] - __low2float(h13), c[3] - __high2float(h13)));
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // The recurrence warps of scan7 (warp w = 4 wc + wi): h rows [wi KP/4, (wi+1) KP/4) x columns cw .. cw + 15 in fp32
 // registers (ScanRec's ownership), U rows 16 wi .. 16 wi + 15 x all 32 columns by warps 0..3.
 template <int KP, bool UHL>
