@@ -6,7 +6,8 @@
 #   times in one process: forward with KDA_CUDA_KDA_PREP=6 and KDA_CUDA_GDN_PREP=3 beside the defaults, backward with
 #   KDA_CUDA_CHUNK_BWD_STATE_FWD=8,9 and KDA_CUDA_CHUNK_BWD_PREP=6 beside the defaults -> fwd+bwd of ours (defaults,
 #   and with every candidate knob on) and fla 0.6.0 in ONE process at B1 T8192.
-# Each cand13_*.sh beside this script describes what to expect of its branch.
+# Each cand13_*.sh beside this script describes what to expect of its branch. After this call sfwd13 was reverted
+# (no gain), with cand13_sfwd13.sh, its tests and benchmarks/cuda/worst_errs.py, which this script called.
 source "$(dirname "$0")/cuda/device_env.sh"
 LOG="$OUT/all.log"
 CALL_S=${CALL_S:-570}

@@ -1,5 +1,5 @@
 """The KDA backward's prep v6 (KDA_CUDA_CHUNK_BWD_PREP=6; kernels_src/cuda/delta_chunk_bwd_prep4.cuh,
-prep4_kda_kernel<T16, true>; session 13, off by default): prep v4 (=4, the default) with each 3xTF32 hi / lo split
+prep4_kda_kernel<T16, true>; session 13, the default since the candidate call): prep v4 (=4, the former default) with each 3xTF32 hi / lo split
 formed once per fragment and reused, the same MMAs on the same tf32 words in the same order per accumulator. Claimed
 bit-identical to v4, so: every gradient of kda_chunk_bwd (dq, dk, dv, dg, dbeta, dh0) torch.equal between =6 and =4,
 and every prep output (stage 0's work buffers: A_qk, A_kk, w, K Eend, Q Gam, Gam_last, u) torch.equal; =6 against

@@ -176,9 +176,10 @@ def bwd_default_and_knob(family, case, dtype, seed, knob, monkeypatch):
     return a, op(q, k, v, g, beta, K ** -0.5, h0, cu, do, dht)
 
 
-# knob values whose kernels were retired in sessions 9 to 12 (docs/cuda.md, "Retired kernels"): refused at the call
+# knob values whose kernels were retired in sessions 9 to 13 (docs/cuda.md, "Retired kernels"): refused at the call
 RETIRED_BWD = ["STATE=1", "GRAD=1", "GRAD=2", "CH=1", "PREP=1", "PREP=3", "STATE_FWD=5", "STATE_BWD=5",
-               "STATE_BWD=6", "CH=4", "PREP=5", "STATE_FWD=4", "CH=3", "WY=3", "STATE_BWD=9"]
+               "STATE_BWD=6", "CH=4", "PREP=5", "STATE_FWD=4", "CH=3", "WY=3", "STATE_BWD=9", "STATE_FWD=8",
+               "STATE_FWD=9", "STATE_FWD=10"]
 
 
 @pytest.mark.parametrize("knob", RETIRED_BWD)
@@ -192,10 +193,27 @@ def test_retired_bwd_knob_values_are_refused(family, knob, monkeypatch):
     monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
     q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
     do = torch.randn_like(v)
-    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10|11|12)"):
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10|11|12|13)"):
         getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
-    with pytest.raises(RuntimeError, match="retired in session (9|10|11|12)"):
+    with pytest.raises(RuntimeError, match="retired in session (9|10|11|12|13)"):
         getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None)
+
+
+# values no backward kernel ever had (and text that is not a number): an error naming the knob and the accepted
+# values (env_choice, delta_host.cuh) rather than another kernel run silently -- since session 13 for every knob of
+# the backward but the window size
+UNKNOWN_BWD = ["PREP=7", "STATE_FWD=6", "STATE_BWD=7", "VC=4", "WY=0", "GVA=2", "FREE=2", "RECURRENT=3", "VC=fast"]
+
+
+@pytest.mark.parametrize("knob", UNKNOWN_BWD)
+@pytest.mark.parametrize("family", ["kda", "gdn"])
+def test_unknown_bwd_knob_values_are_refused(family, knob, monkeypatch):
+    name, val = knob.split("=")
+    monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
+    q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
+    do = torch.randn_like(v)
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} is not an accepted value"):
+        getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])

@@ -1,5 +1,5 @@
 """The GDN prep kernel v3 of the chunked forward (KDA_CUDA_GDN_PREP=3, kernels_src/cuda/gdn_chunk_prep3.cuh; session
-13, off by default): one block per pair of value heads of a GVA group (HV / H even; else one head per block), the
+13; unset, it runs where HV / H is even): one block per pair of value heads of a GVA group (HV / H even; else one head per block), the
 q / k loads and S1's raw products Q K^T, K K^T shared by the pair, the per-head scalar-gate factors applied after
 the product exactly as v2 applies them. Claimed: v2's workspace bit for bit, hence v2's o and final state
 (torch.equal), and DESIGN.md section 6 against the float64 reference (tests/ref_delta.py).
@@ -111,8 +111,10 @@ def real_chunks(q, cu):
 @pytest.mark.parametrize("scan", ["11", "1"])
 @pytest.mark.parametrize("ws", ["ws_bf16", "ws_fp32"])
 @pytest.mark.parametrize("case", ["gva2_T1000", "hv_eq_h_T1000", "gva3_T200", "gva4_T130", "extreme_gates",
-                                  "gates_near_0", "varlen_empty", "odd_kv", "v200", "odd_v"])
+                                  "gates_near_0", "varlen_empty", "odd_kv", "odd_v"])
 def test_gdn_prep3_workspace_bits(case, ws, scan, monkeypatch):
+    # (not v200: the staged forward needs V <= 128 and says so; test_gdn_prep3_matches_prep2_and_reference
+    # compares o / state there)
     """The workspace itself (gdn_chunk_fwd_stage stage 0: the prep alone), every section of every real chunk and
     value head, as raw bits: v3 writes v2's. With scan7 (11) w may be bf16 in the first half of its section (the
     second half unwritten), so only that half of w is compared there; the single scan (1) reads all of w in fp32."""
@@ -184,3 +186,19 @@ def test_gdn_prep_unknown_values_list_2_and_3(value, monkeypatch):
     x, h0, cu = inputs3("gva2_T65_B2", torch.bfloat16)
     with pytest.raises(RuntimeError, match=f"{KNOB}={value} is not an accepted value: {KNOB} takes 2, 3"):
         OPS.gdn_chunk_fwd(*x, 0.1, h0, cu)
+
+
+@pytest.mark.parametrize("case, kernel", [("gva2_T65_B2", "gdn_chunk_prep3_kernel"),
+                                          ("gva4_T130", "gdn_chunk_prep3_kernel"),
+                                          ("hv_eq_h_T1000", "gdn_chunk_prep2_kernel"),
+                                          ("gva3_T200", "gdn_chunk_prep2_kernel")])
+def test_gdn_prep_default_routes_by_group(case, kernel, monkeypatch):
+    """KDA_CUDA_GDN_PREP unset (the default since session 13): v3 where HV / H is even (pairs of heads to share),
+    v2 where it is odd or 1 -- seen as the kernel the profiler records, since the two give the same bits."""
+    monkeypatch.delenv(KNOB, raising=False)
+    x, h0, cu = inputs3(case, torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        OPS.gdn_chunk_fwd(*x, 0.1, h0, cu)
+        torch.cuda.synchronize()
+    preps = [e.name for e in prof.events() if "gdn_chunk_prep" in e.name]
+    assert preps and all(kernel in n for n in preps), preps

@@ -1,6 +1,6 @@
 """The FAST instance of the KDA forward prep (kda_chunk_prep2_kernel<..., FAST = true>, kernels_src/cuda/
-kda_chunk_prep2.cuh; KDA_CUDA_KDA_PREP=6, opt-in since session 13) against the default (=3, the same kernel
-without FAST): the same outputs bit for bit. FAST only changes how the same tf32 operands are formed (to_tf32_fast
+kda_chunk_prep2.cuh; KDA_CUDA_KDA_PREP=6, the default since session 13) against the former default (=3, the same
+kernel without FAST): the same outputs bit for bit. FAST only changes how the same tf32 operands are formed (to_tf32_fast
 instead of cvt.rna, T rounded once in shared memory and read by ldmatrix, S5's jobs in pairs, u0 as float2), never
 an operand or the order of an accumulation, so o, the final state and the whole workspace the prep writes must be
 torch.equal. Cases: bf16 / fp16; the bf16 workspace with scan7 (w as bf16, the WB instances) and with the single

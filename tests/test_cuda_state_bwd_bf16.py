@@ -156,7 +156,7 @@ def test_state_bwd_bad_value_is_refused(value, monkeypatch):
     monkeypatch.setenv(KNOB, value)
     q, k, v, g, beta = make_inputs("kda", B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
     do = torch.randn_like(v)
-    with pytest.raises(RuntimeError, match=f"{KNOB}={value} is not a state_bwd kernel"):
+    with pytest.raises(RuntimeError, match=f"{KNOB}={value} is not an accepted value"):
         OPS.kda_chunk_bwd(q, k, v, g, beta, 0.1, None, None, do, None)
 
 

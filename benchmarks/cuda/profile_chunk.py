@@ -56,11 +56,12 @@ KNOB_SWEEPS = [
      "scan3, 5 / 6 the split forward, 7 scan5, 8 scan6, 9 scan6 with warp pairs: retired in sessions 11 and 12, "
      "refused)"),
     ("--kda-prep", "KDA_CUDA_KDA_PREP", "fwd", "fwd_kda_prep", True,
-     "3 kda_chunk_prep2 with the 8x8 split, the default, 6 its FAST instance (session 13: the same outputs bit for "
-     "bit from fewer instructions; 0, 1, 2, 4, 5: retired, refused)"),
+     "6 kda_chunk_prep2's FAST instance, the default since session 13 (the same outputs bit for bit from fewer "
+     "instructions), 3 kda_chunk_prep2 with the 8x8 split, the default until then (0, 1, 2, 4, 5: retired, refused)"),
     ("--gdn-prep", "KDA_CUDA_GDN_PREP", "fwd", "fwd_gdn_prep", "gdn",
-     "2 gdn_chunk_prep2, the default, 3 gdn_chunk_prep3: one block per pair of GVA value heads sharing the q / k "
-     "loads and the raw products of S1 (session 13; 0 and 1: retired, refused)"),
+     "2 gdn_chunk_prep2, 3 gdn_chunk_prep3: one block per pair of GVA value heads sharing the q / k loads and the "
+     "raw products of S1, bit for bit v2's (session 13); unset: 3 where HV / H is even, else 2 (0 and 1: retired, "
+     "refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
      "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
@@ -72,8 +73,8 @@ KNOB_SWEEPS = [
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 4 the KDA prep v4 with the 8x8 split, the default for bf16/fp16 inputs, 6 the KDA prep "
-     "v6: v4 with each 3xTF32 split formed once, bit-identical (session 13, opt-in) (GDN: every value but 2 runs its "
+     "2 the fp32 SIMT prep, 6 the KDA prep v6: v4 with each 3xTF32 split formed once, bit-identical, the default "
+     "for bf16/fp16 inputs since session 13, 4 the KDA prep v4 with the 8x8 split, the default until then (GDN: every value but 2 runs its "
      "prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the split, in session 11; "
      "refused; others refused as unknown)"),
     # (--bwd-ch: KDA_CUDA_CHUNK_BWD_CH has only its default, 2, left since session 11; 1, 3, 4 are refused)

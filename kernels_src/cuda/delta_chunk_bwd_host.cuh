@@ -81,7 +81,10 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // (session 13, opt-in): v4 with each 3xTF32 split formed once, the same outputs bit for bit (GDN: its prep v3).
     // Other values are refused here.
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_PREP", 1, "the v1 prep prep_kernel<FS2 = false>");
-    const int prep_mode = env_choice(op, "KDA_CUDA_CHUNK_BWD_PREP", 4, {2, 3, 4, 5, 6});
+    // 6 = KDA's prep v6 (v4's products and order with each tf32 split formed once per shared fragment; bit for bit
+    // v4's gradients, 0.665 vs 0.770 ms at B1 T8192 H16 HV32 K=V=128 on the H200, session 13's candidate call):
+    // the default since session 13; 4 keeps v4 (GDN runs its prep v3 for every value but 2)
+    const int prep_mode = env_choice(op, "KDA_CUDA_CHUNK_BWD_PREP", 6, {2, 3, 4, 5, 6});
     const int64_t ctile = nc1 * s.HV * cb::CH * cb::KP;
     const int64_t tv = std::max<int64_t>(tokens * s.HV * s.V, 1);
     work.assign(kBwWorkSize, at::Tensor());
@@ -111,7 +114,11 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // against 0.64 / 0.84 -- and removed; docs/cuda.md, "Retired kernels".)
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 5, "the bulk-copy state_fwd4_kernel");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 4, "state_fwd3_kernel tf32 with 32 columns per block", 11);
-    c[kCfgStateFwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_FWD", 7);
+    // (8 / 9 / 10, state_fwd on bf16 operands, session 13: 0.569 / 0.565 / 0.601 ms against 0.577, no gain; reverted)
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 8, "state_fwd_bf16_kernel (bf16 operands, U plain bf16)", 13);
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 9, "state_fwd_bf16_kernel (bf16 operands, U as hi + lo)", 13);
+    refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 10, "state_fwd_bf16_kernel (U and K Eend as hi + lo)", 13);
+    c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 7, {7, 3, 2});
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
@@ -125,15 +132,15 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 9,
                    "state_bwd3_bf16_kernel with 4-byte fragment reads (=10 is the same numerics, faster)", 12);
-    c[kCfgStateBwd] = env_int("KDA_CUDA_CHUNK_BWD_STATE_BWD", 4);
-    TORCH_CHECK(c[kCfgStateBwd] == 2 || c[kCfgStateBwd] == 3 || c[kCfgStateBwd] == 4 || c[kCfgStateBwd] == 10,
-                "[", op, "] KDA_CUDA_CHUNK_BWD_STATE_BWD=", c[kCfgStateBwd], " is not a state_bwd kernel: use 4 (the "
-                "default, tf32), 3 (3xTF32), 10 (bf16 operands) or 2 (fp32 SIMT), or unset it");
+    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 2});
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
     // (always for fp32 inputs)
-    c[kCfgVc] = env_int("KDA_CUDA_CHUNK_BWD_VC", 3);
+    c[kCfgVc] = env_choice(op, "KDA_CUDA_CHUNK_BWD_VC", 3, {3, 2, 1});
+    // read again where they act (the grad stage, the GVA reduce), which have no op name: checked here, at stage 0
+    env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 2, {2, 1});
+    env_choice(op, "KDA_CUDA_CHUNK_BWD_GVA", 1, {1, 0});
     work[kBwCfg] = cfg;
   }
   TORCH_CHECK(static_cast<int>(work.size()) == kBwWorkSize && work[kBwCfg].defined() &&
@@ -408,7 +415,7 @@ ChunkBwdF32 chunk_bwd_block(const char* op, const Shapes& s, const at::Tensor& q
   at::Tensor dht;  // holds a converted copy of grad_final_state alive
   p.dht = grad_state_data(grad_final_state, dht);
   const bool varlen = cu.has_value(), per_head = bwd_dg_per_head<PC>(work);
-  const bool lazy = env_int("KDA_CUDA_CHUNK_BWD_FREE", 1) != 0;
+  const bool lazy = env_choice(op, "KDA_CUDA_CHUNK_BWD_FREE", 1, {1, 0}) != 0;
   ChunkBwdF32 r;
   if (!lazy) r = bwd_alloc_grads(s, q, v, varlen, per_head, p);
   r.dh0 = bwd_alloc_dh0(s, q, p);
@@ -604,7 +611,7 @@ DeltaBwdResult chunk_bwd_run(const char* op, const at::Tensor& q, const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   // the recurrent backward (exact) for K > 128, on request, and on devices without the shared memory of the
   // chunked kernels' largest block (grad, kGradSmem ~226 KB: sm_90-class)
-  if (s.K > cb::KP || env_int("KDA_CUDA_CHUNK_BWD_RECURRENT", 0) == 1 ||
+  if (s.K > cb::KP || env_choice(op, "KDA_CUDA_CHUNK_BWD_RECURRENT", 0, {0, 1}) == 1 ||
       smem_optin() < static_cast<int>(cb::kGradSmem))
     return recurrent_bwd<PC>(op, q, k, v, g, beta, scale, initial_state, cu, grad_o, grad_final_state);
   TORCH_CHECK(grad_o.is_contiguous() && grad_o.scalar_type() == q.scalar_type() && grad_o.sizes() == v.sizes(), "[",

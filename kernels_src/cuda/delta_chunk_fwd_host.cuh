@@ -74,8 +74,8 @@ void launch_gdn_prep2_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// KDA_CUDA_GDN_PREP=3 (session 13, off by default): gdn_chunk_prep3_kernel (gdn_chunk_prep3.cuh), v2's values
-// with one block per pair of value heads of a GVA group (HV / H even; else one head per block).
+// gdn_chunk_prep3_kernel (gdn_chunk_prep3.cuh; session 13): v2's values bit for bit with one block per pair of
+// value heads of a GVA group (HV / H even; else one head per block).
 template <int KP, typename T16, bool WB>
 void launch_gdn_prep3_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st) {
   constexpr size_t smem = GdnPrep3Smem<KP>::bytes;
@@ -86,10 +86,13 @@ void launch_gdn_prep3_t(const ChunkFwdParams& p, int max_chunks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// WB: w as bf16 for scan7 (scan7_applies); v3 where KDA_CUDA_GDN_PREP=3 (checked by chunk_prep_dispatch)
+// WB: w as bf16 for scan7 (scan7_applies). Unset KDA_CUDA_GDN_PREP: v3 where HV / H is even (pairs of heads
+// share S1's products: 0.210 vs 0.217 ms at B1 T8192 H16 HV32, 0.405 vs 0.431 at B4 T4096 H16 HV32 on the H200,
+// session 13's candidate call), v2 elsewhere (at HV = H v3 is only overhead: 0.235 vs 0.220); 2 / 3 force one.
 template <int KP>
 void launch_gdn_prep(const ChunkFwdParams& p, int max_chunks, cudaStream_t st, bool wb) {
-  if (env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2, 3}) == 3) {
+  const bool pairs = p.H > 0 && (p.HV / p.H) % 2 == 0;
+  if (env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", pairs ? 3 : 2, {2, 3}) == 3) {
     if (wb) {
       if (p.in_dtype == kBF16) launch_gdn_prep3_t<KP, __nv_bfloat16, true>(p, max_chunks, st);
       else launch_gdn_prep3_t<KP, __half, true>(p, max_chunks, st);
@@ -220,13 +223,16 @@ void chunk_prep_dispatch(const ChunkFwdParams& p, int max_chunks, cudaStream_t s
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 5, "the KDA prep v3 kda_chunk_prep3_kernel (unrolled)", 10);
     // (2: kda_chunk_prep2 without the 8x8 split, 0.617 ms in session 7 against 0.571 with it in session 8; removed)
     refuse_retired("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 2, "kda_chunk_prep2_kernel without the 8x8 split", 11);
-    // kda_chunk_prep2 with the split (fp32 inputs: the generic prep for either value); 6: its FAST instance
-    kda_fast = env_choice("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 3, {3, 6}) == 6;
+    // kda_chunk_prep2 with the split (fp32 inputs: the generic prep for either value); 6, the default since session
+    // 13: its FAST instance (the same outputs bit for bit from ~20 % fewer instructions, 0.468 vs 0.566 ms at B1
+    // T8192 H16 HV32 K=V=128 on the H200, session 13's candidate call); 3 the former default
+    kda_fast = env_choice("kda_chunk_fwd", "KDA_CUDA_KDA_PREP", 6, {3, 6}) == 6;
   } else {
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 0, "the generic prep delta_chunk_prep_kernel for bf16/fp16");
     // (1: the GDN prep v1 gdn_chunk_prep_kernel, 0.297 ms against v2's 0.227 in session 10; kernel removed)
     refuse_retired("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 1, "the GDN prep v1 gdn_chunk_prep_kernel", 11);
-    env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", 2, {2, 3});  // prep2; 3: prep3 (fp32 inputs: generic)
+    // prep3 where HV / H is even, else prep2 (launch_gdn_prep); 2 / 3 force one (fp32 inputs: the generic prep)
+    env_choice("gdn_chunk_fwd", "KDA_CUDA_GDN_PREP", p.H > 0 && (p.HV / p.H) % 2 == 0 ? 3 : 2, {2, 3});
   }
   const bool precise = p.in_dtype == kF32;
   if (p.K <= 64) {
