@@ -189,14 +189,21 @@ def test_retired_bwd_knob_values_are_refused(family, knob, monkeypatch):
     # but 2: test_gdn_bwd_prep4_is_prep3)
     if knob in ("PREP=3", "PREP=5") and family == "gdn":
         pytest.skip("GDN's prep v3 stays (its default bf16/fp16 prep)")
+    name, val, one_call, stage0 = _knob_calls(family, knob, monkeypatch)
+    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10|11|12|13)"):
+        one_call()
+    with pytest.raises(RuntimeError, match="retired in session (9|10|11|12|13)"):
+        stage0()
+
+
+def _knob_calls(family, knob, monkeypatch):
+    """knob "NAME=VALUE" set as KDA_CUDA_CHUNK_BWD_NAME; the one-call backward and its stage 0 on small inputs."""
     name, val = knob.split("=")
     monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
     q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
     do = torch.randn_like(v)
-    with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} .*retired in session (9|10|11|12|13)"):
-        getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
-    with pytest.raises(RuntimeError, match="retired in session (9|10|11|12|13)"):
-        getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None)
+    return (name, val, lambda: getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None),
+            lambda: getattr(OPS, f"{family}_chunk_bwd_stage")([], 0, q, k, v, g, beta, 0.1, None, None, do, None))
 
 
 # values no backward kernel ever had (and text that is not a number): an error naming the knob and the accepted
@@ -208,12 +215,9 @@ UNKNOWN_BWD = ["PREP=7", "STATE_FWD=6", "STATE_BWD=7", "VC=4", "WY=0", "GVA=2", 
 @pytest.mark.parametrize("knob", UNKNOWN_BWD)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_unknown_bwd_knob_values_are_refused(family, knob, monkeypatch):
-    name, val = knob.split("=")
-    monkeypatch.setenv(f"KDA_CUDA_CHUNK_BWD_{name}", val)
-    q, k, v, g, beta = make_inputs(family, B=1, T=70, H=1, HV=2, dtype=torch.bfloat16, seed=43)
-    do = torch.randn_like(v)
+    name, val, one_call, _ = _knob_calls(family, knob, monkeypatch)
     with pytest.raises(RuntimeError, match=f"KDA_CUDA_CHUNK_BWD_{name}={val} is not an accepted value"):
-        getattr(OPS, f"{family}_chunk_bwd")(q, k, v, g, beta, 0.1, None, None, do, None)
+        one_call()
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])

@@ -61,12 +61,13 @@ __device__ __forceinline__ float* prep2_scr(float* Ab, int i) {
   return Ab + rb * kSub * kPrepLDA + cb * kSub;
 }
 
-// Warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb (3xTF32), as prep_inverse_sub1 with the scratch in Ab.
-__device__ __forceinline__ void prep2_inverse_sub1(float* Ab, float* Ts, int warp, int gq, int t4) {
+// Warps 0-1: T_10, T_32 = -T_aa Ab_ab T_bb (3xTF32), as prep_inverse_sub1 with the scratch blocks at prep2_scr(scr,
+// i): v2 passes Ab (its strictly upper blocks), v3 (gdn_chunk_prep3.cuh) T's, since Ab's hold the pair's second head.
+__device__ __forceinline__ void prep2_inverse_sub1(const float* Ab, float* Ts, float* scr, int warp, int gq, int t4) {
   constexpr int LDA = kPrepLDA;
   if (warp < 2) {
     const int a = warp == 0 ? 1 : 3, b = a - 1;
-    float* Y = prep2_scr(Ab, 2 * warp);
+    float* Y = prep2_scr(scr, 2 * warp);
     float acc[2][4];
     zero_acc(acc);
     warp_mm16(acc, Ab + a * kSub * LDA + b * kSub, LDA, Ts + b * kSub * LDA + b * kSub, LDA, gq, t4);
@@ -78,13 +79,13 @@ __device__ __forceinline__ void prep2_inverse_sub1(float* Ab, float* Ts, int war
   }
 }
 
-// Warps 0-1 (b = warp): as prep_inverse_sub2 with the scratch in Ab.
-__device__ __forceinline__ void prep2_inverse_sub2(float* Ab, float* Ts, int warp, int gq, int t4) {
+// Warps 0-1 (b = warp): as prep_inverse_sub2 with the scratch blocks at prep2_scr(scr, i) (see prep2_inverse_sub1).
+__device__ __forceinline__ void prep2_inverse_sub2(const float* Ab, float* Ts, float* scr, int warp, int gq, int t4) {
   constexpr int LDA = kPrepLDA;
   if (warp < 2) {
     const int b = warp;
-    float* Y2 = prep2_scr(Ab, 2 * warp);
-    float* Y3 = prep2_scr(Ab, 2 * warp + 1);
+    float* Y2 = prep2_scr(scr, 2 * warp);
+    float* Y3 = prep2_scr(scr, 2 * warp + 1);
     float acc2[2][4], acc3[2][4];
     zero_acc(acc2);
     zero_acc(acc3);
@@ -377,12 +378,12 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   // ---- S3: v -> q's tile (cp.async, lands behind S3 / S4); warps 0-1: T_10, T_32; warps 2-7: first half of k~^T
   gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
   constexpr int NK = (KP / 16) * (kChunk / 8) * 32;
-  prep2_inverse_sub1(Ab, Ts, warp, gq, t4);
+  prep2_inverse_sub1(Ab, Ts, Ab, warp, gq, t4);
   if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ck, 0, NK / 2, tid - 64, kGdnThreads - 64);
   __syncthreads();
 
   // ---- S4: warps 0-1: the lower-left 32x32 of T; warps 2-7: second half of k~^T
-  prep2_inverse_sub2(Ab, Ts, warp, gq, t4);
+  prep2_inverse_sub2(Ab, Ts, Ab, warp, gq, t4);
   if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ck, NK / 2, NK, tid - 64, kGdnThreads - 64);
   gdn_cp_async_wait_all();
   __syncthreads();

@@ -32,53 +32,8 @@ struct GdnPrep3Smem {
   static_assert(3 * (bytes + 1024) <= 228 * 1024, "three blocks per SM on sm_90 (228 KB, 1 KB reserved per block)");
 };
 
-// Scratch block i of S3 / S4 in T's strictly upper blocks (0,1), (0,2), (0,3), (1,2): as prep2_scr in Ab's.
-__device__ __forceinline__ float* prep3_scr(float* Ts, int i) { return prep2_scr(Ts, i); }
-
-// prep2_inverse_sub1 with the scratch in T's upper blocks (same products, same order).
-__device__ __forceinline__ void prep3_inverse_sub1(const float* Ab, float* Ts, int warp, int gq, int t4) {
-  constexpr int LDA = kPrepLDA;
-  if (warp < 2) {
-    const int a = warp == 0 ? 1 : 3, b = a - 1;
-    float* Y = prep3_scr(Ts, 2 * warp);
-    float acc[2][4];
-    zero_acc(acc);
-    warp_mm16(acc, Ab + a * kSub * LDA + b * kSub, LDA, Ts + b * kSub * LDA + b * kSub, LDA, gq, t4);
-    warp_store16(Y, LDA, acc, 1.f, gq, t4);
-    __syncwarp();
-    zero_acc(acc);
-    warp_mm16(acc, Ts + a * kSub * LDA + a * kSub, LDA, Y, LDA, gq, t4);
-    warp_store16(Ts + a * kSub * LDA + b * kSub, LDA, acc, -1.f, gq, t4);
-  }
-}
-
-// prep2_inverse_sub2 with the scratch in T's upper blocks.
-__device__ __forceinline__ void prep3_inverse_sub2(const float* Ab, float* Ts, int warp, int gq, int t4) {
-  constexpr int LDA = kPrepLDA;
-  if (warp < 2) {
-    const int b = warp;
-    float* Y2 = prep3_scr(Ts, 2 * warp);
-    float* Y3 = prep3_scr(Ts, 2 * warp + 1);
-    float acc2[2][4], acc3[2][4];
-    zero_acc(acc2);
-    zero_acc(acc3);
-    for (int c = b; c < 2; ++c) {
-      const float* Tcb = Ts + c * kSub * LDA + b * kSub;
-      warp_mm16(acc2, Ab + 2 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
-      warp_mm16(acc3, Ab + 3 * kSub * LDA + c * kSub, LDA, Tcb, LDA, gq, t4);
-    }
-    warp_store16(Y2, LDA, acc2, 1.f, gq, t4);
-    warp_store16(Y3, LDA, acc3, 1.f, gq, t4);
-    __syncwarp();
-    zero_acc(acc2);
-    zero_acc(acc3);
-    warp_mm16(acc2, Ts + 2 * kSub * LDA + 2 * kSub, LDA, Y2, LDA, gq, t4);
-    warp_mm16(acc3, Ts + 3 * kSub * LDA + 2 * kSub, LDA, Y2, LDA, gq, t4);
-    warp_mm16(acc3, Ts + 3 * kSub * LDA + 3 * kSub, LDA, Y3, LDA, gq, t4);
-    warp_store16(Ts + 2 * kSub * LDA + b * kSub, LDA, acc2, -1.f, gq, t4);
-    warp_store16(Ts + 3 * kSub * LDA + b * kSub, LDA, acc3, -1.f, gq, t4);
-  }
-}
+// (S3 / S4's scratch: prep2_inverse_sub1 / _sub2 with scr = Ts, T's strictly upper blocks (0,1), (0,2), (0,3),
+// (1,2), never written nor read otherwise; Ab's hold the second head.)
 
 // q~ = scale q e^G of one head (v2's S2 items), items it0, it0 + nthr, ...
 template <int KP, typename T16>
@@ -269,12 +224,12 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep3_kernel(const C
 
     // ---- S3: (head 0) v -> q's tile; warps 0-1: T_10, T_32; warps 2-7: k~^T items [k0, k1)
     if (r == 0) gdn_stage<kGdnVB>(Vs, LDV, vg, static_cast<int64_t>(HV) * V, L, min(V, kGdnVB), vec_v, tid);
-    prep3_inverse_sub1(Ab, Ts, warp, gq, t4);
+    prep2_inverse_sub1(Ab, Ts, Ts, warp, gq, t4);
     if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), k0, k1, tid - 64, kGdnThreads - 64);
     __syncthreads();
 
     // ---- S4: warps 0-1: the lower-left 32x32 of T; warps 2-7: k~^T items [k1, NK)
-    prep3_inverse_sub2(Ab, Ts, warp, gq, t4);
+    prep2_inverse_sub2(Ab, Ts, Ts, warp, gq, t4);
     if (warp >= 2) prep2_kg<KP, T16>(ws, WL, half, Ks, Ckr(r), k1, NK, tid - 64, kGdnThreads - 64);
     gdn_cp_async_wait_all();
     __syncthreads();
