@@ -1,6 +1,7 @@
 // grad3_ch2 (issue #7): the per-channel stage of the split grad v3 (grad3_ch_kernel in delta_chunk_bwd.cuh: C1
 // and C2 of grad2, dRg . k into dbeta) for KDA, restructured so that several small blocks share an SM and no
-// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =1, grad3_ch_kernel,
+// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =5 its F5
+// instance, session 13: the same gradients bit for bit, see grad3_ch2_kernel; =1, grad3_ch_kernel,
 // retired in session 9). Same inputs (gdqg, gdkend, gdw = dR_w, gdgl, aqk = dA_qk, akk = dA_kk, beta, dbeta of
 // grad3_wy, q, k, g) and the same outputs (dq, dk, dg, dbeta += dRg . k), same exactness rules: fp32, every decay
 // factor a running product of a_i <= 1 (no exp of a difference, no division, any gate magnitude), dg formed
