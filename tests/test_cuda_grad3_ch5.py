@@ -5,8 +5,9 @@ the same floating-point operations on the same operands in the same order and fe
 butterfly that adds the same pairs). Claimed bit-identical, so: every gradient of kda_chunk_bwd (dq, dk, dv, dg,
 dbeta, dh0) torch.equal between =5 and =2 (both set explicitly; grad3_ch2 has no atomics: its dbeta partials are
 summed over the cluster in a fixed order, so the default is run-to-run deterministic, checked here too); =5 against
-autograd through the float64 reference at DESIGN.md section 6 tolerances; unknown values refused, 1 / 3 / 4 still
-refused as retired (test_cuda_chunk_bwd.py's RETIRED_BWD).
+autograd through the float64 reference at DESIGN.md section 6 tolerances; each value runs its own instance (the
+profiler's kernel names); unknown values refused, 1 / 3 / 4 still refused as retired (test_cuda_chunk_bwd.py's
+RETIRED_BWD).
 
 Cases (bwd_inputs of tests/test_cuda_chunk_bwd.py): bf16, fp16 and fp32; T in {1, 63, 65, 1000, 2048}, varlen with
 empty sequences, GVA (HV = 2 H, 4 H, 8 H varlen), initial state and grad of the final state (and neither), 30 % of
@@ -117,3 +118,20 @@ def test_gdn_ignores_ch5(monkeypatch):
     monkeypatch.setenv(KNOB, "5")
     b = OPS.gdn_chunk_bwd(*args)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("val, inst", [("2", "grad3_ch2_kernel<true, false>"), ("5", "grad3_ch2_kernel<true, true>"),
+                                       (None, "grad3_ch2_kernel<true, false>")])
+def test_grad3_ch_routes_to_its_instance(val, inst, monkeypatch):
+    """Each value runs its instance -- seen as the kernel the profiler records, since the two give the same bits
+    (torch.equal above would pass if both values ran one kernel); unset: the default, <true, false>."""
+    if val is None:
+        monkeypatch.delenv(KNOB, raising=False)
+    else:
+        monkeypatch.setenv(KNOB, val)
+    args, _ = bwd_inputs("kda", dict(CASES["random_T65"]), torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        OPS.kda_chunk_bwd(*args)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "grad3_ch2_kernel" in e.name]
+    assert names and all(inst in n for n in names), names

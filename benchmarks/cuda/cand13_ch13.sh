@@ -17,7 +17,8 @@
 #      tests/test_cuda_grad3_ch5.py: every gradient (dq, dk, dv, dg, dbeta, dh0) torch.equal between =5 and =2
 #      (bf16 / fp16 / fp32 subset, T 1 / 63 / 65 / 1000 / 2048, varlen with empty sequences, GVA 2H / 4H / 8H,
 #      with and without state, gates at -20 and -1e4, odd K / V, V 64 and > 128), the default run-to-run
-#      deterministic, =5 against the float64 reference, unknown values refused, GDN unaffected. A torch.equal failure
+#      deterministic, =5 against the float64 reference, each value's instance by the profiler's kernel names
+#      (<true, true> for 5, <true, false> for 2 and unset), unknown values refused, GDN unaffected. A torch.equal failure
 #      in dbeta only points at the transposed butterfly (row mapping); in dq / dk / dg at the row addressing.
 #      Plus the retired / unknown backward knob tests (the CH knob is now read by env_choice).
 #  (2) per-kernel times of the KDA backward in one process, ~20 s: rows bwd (default), bwd_ch2 (a second sample of
