@@ -209,7 +209,8 @@ def _knob_calls(family, knob, monkeypatch):
 # values no backward kernel ever had (and text that is not a number): an error naming the knob and the accepted
 # values (env_choice, delta_host.cuh) rather than another kernel run silently -- since session 13 for every knob of
 # the backward but the window size
-UNKNOWN_BWD = ["PREP=7", "STATE_FWD=6", "STATE_BWD=7", "VC=4", "WY=0", "GVA=2", "FREE=2", "RECURRENT=3", "VC=fast"]
+UNKNOWN_BWD = ["PREP=7", "STATE_FWD=6", "STATE_BWD=7", "VC=4", "WY=0", "GVA=2", "FREE=2", "RECURRENT=3", "VC=fast",
+               "CH=6"]
 
 
 @pytest.mark.parametrize("knob", UNKNOWN_BWD)

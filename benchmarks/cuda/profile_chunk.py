@@ -77,7 +77,9 @@ KNOB_SWEEPS = [
      "for bf16/fp16 inputs since session 13, 4 the KDA prep v4 with the 8x8 split, the default until then (GDN: every value but 2 runs its "
      "prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the split, in session 11; "
      "refused; others refused as unknown)"),
-    # (--bwd-ch: KDA_CUDA_CHUNK_BWD_CH has only its default, 2, left since session 11; 1, 3, 4 are refused)
+    ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", True,
+     "2 grad3_ch2, the default, 5 its F5 instance: the same gradients bit for bit with fewer integer / shuffle "
+     "instructions (session 13; 1, 3, 4: retired, refused)"),
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
      "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default (3, it with "
      "plain tf32 for bf16 inputs: retired in session 11, refused)"),

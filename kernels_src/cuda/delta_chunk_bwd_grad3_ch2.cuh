@@ -1,6 +1,7 @@
 // grad3_ch2 (issue #7): the per-channel stage of the split grad v3 (grad3_ch_kernel in delta_chunk_bwd.cuh: C1
 // and C2 of grad2, dRg . k into dbeta) for KDA, restructured so that several small blocks share an SM and no
-// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =1, grad3_ch_kernel,
+// shared-memory atomics are needed (KDA_CUDA_CHUNK_BWD_CH=2, the default for the per-channel gate; =5 its F5
+// instance, session 13: the same gradients bit for bit, see grad3_ch2_kernel; =1, grad3_ch_kernel,
 // retired in session 9). Same inputs (gdqg, gdkend, gdw = dR_w, gdgl, aqk = dA_qk, akk = dA_kk, beta, dbeta of
 // grad3_wy, q, k, g) and the same outputs (dq, dk, dg, dbeta += dRg . k), same exactness rules: fp32, every decay
 // factor a running product of a_i <= 1 (no exp of a difference, no division, any gate magnitude), dg formed
@@ -33,6 +34,8 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <type_traits>
+#include <utility>
 
 #include "delta_chunk_bwd.cuh"
 #include "delta_host.cuh"
@@ -59,11 +62,27 @@ struct Ch2Smem {
 constexpr size_t kCh2Smem = sizeof(Ch2Smem);
 
 __host__ __device__ constexpr int ch2_blk(int B, int b) { return B * (B + 1) / 2 + b; }
+// f(integral_constant<int, n>) for each n, in order (compile-time n inside f)
+template <class F, int... n>
+__device__ __forceinline__ void ch2_each(F&& f, std::integer_sequence<int, n...>) {
+  (f(std::integral_constant<int, n>{}), ...);
+}
+// the offset of block blk (row B, column b) in a row-major 64 x 64 dA
+__host__ __device__ constexpr int ch2_src_off(int blk) {
+  const int B = (blk >= 1) + (blk >= 3) + (blk >= 6);
+  return SB * B * CH + SB * (blk - B * (B + 1) / 2);
+}
 
 // Registers capped for 3 blocks per SM (168; nvcc 13.0 sm_90a spills 24 bytes); the shared memory would fit 4: the
 // instance capped for 4 (128 registers, more spills; 0.99 ms against 0.93, KDA_CUDA_CHUNK_BWD_CH=3) was retired in
 // session 11.
-template <bool PC>
+// F5 (KDA_CUDA_CHUNK_BWD_CH=5, session 13): the same floating-point operations on the same operands in the same
+// order (every output bit for bit the default's); fewer integer and shuffle instructions: the dA copy's addresses
+// from compile-time offsets, the 64-bit row addresses of the q / k / g loads and the dq / dk / dg stores formed once
+// plus a per-row stride, and the 16 rows' dRg . k warp sums as one transposed butterfly (31 shuffles instead of 80;
+// each level adds the same two partial sums as warp_sum, a + b == b + a bit for bit, products and sums with _rn
+// intrinsics so that nothing is contracted that warp_sum left separate).
+template <bool PC, bool F5 = false>
 __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
@@ -80,12 +99,28 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
   auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
 
   // ---- dA_qk, dA_kk blocks on or below the diagonal -> shared (cp.async, 16 bytes, 10 per thread)
+  if constexpr (F5) {
+    // i = tid + 128 n: q4, r from tid alone; (m, blk) = divmod(tid / 64 + 2 n, 10), so m = n >= 5 at compile time
+    // and the source offset of block blk is one of two constants per n
+    const int q4 = tid & 3, r = (tid >> 2) & 15, hi = tid >> 6;
+    float* dst = &S.dA[0][0][r][4 * q4] + hi * SB * SB;
+    const float* sq = p.aqk + abase + r * CH + 4 * q4;
+    const float* sk = p.akk + abase + r * CH + 4 * q4;
+    auto one = [&](auto nc) {
+      constexpr int n = decltype(nc)::value, o0 = ch2_src_off((2 * n) % kCh2Blk);
+      constexpr int o1 = ch2_src_off((2 * n + 1) % kCh2Blk);
+      cpa16(dst + 2 * n * SB * SB, (2 * n >= kCh2Blk ? sk : sq) + o0 + hi * (o1 - o0));
+    };
+    static_assert(2 * kCh2Blk * SB * 4 / kCh2Threads == 10, "ten 16-byte copies per thread");
+    ch2_each(one, std::make_integer_sequence<int, 10>{});
+  } else {
 #pragma unroll
-  for (int n = 0; n < 2 * kCh2Blk * SB * 4 / kCh2Threads; ++n) {
-    const int i = tid + n * kCh2Threads;
-    const int q4 = i & 3, r = (i >> 2) & 15, blk = (i >> 6) % kCh2Blk, m = i / (64 * kCh2Blk);
-    const int B = (blk >= 1) + (blk >= 3) + (blk >= 6), b = blk - B * (B + 1) / 2;
-    cpa16(&S.dA[m][blk][r][4 * q4], (m ? p.akk : p.aqk) + abase + (SB * B + r) * CH + SB * b + 4 * q4);
+    for (int n = 0; n < 2 * kCh2Blk * SB * 4 / kCh2Threads; ++n) {
+      const int i = tid + n * kCh2Threads;
+      const int q4 = i & 3, r = (i >> 2) & 15, blk = (i >> 6) % kCh2Blk, m = i / (64 * kCh2Blk);
+      const int B = (blk >= 1) + (blk >= 3) + (blk >= 6), b = blk - B * (B + 1) / 2;
+      cpa16(&S.dA[m][blk][r][4 * q4], (m ? p.akk : p.aqk) + abase + (SB * B + r) * CH + SB * b + 4 * q4);
+    }
   }
   cpa_commit();
 
@@ -94,22 +129,46 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
   float gam[SB], ee[SB];
   {
     float qv[SB], kv[SB], av[SB];
+    // F5: rows i < nrow are real (t < Cc and c < K); the row-t0 index and the row stride once (exact integers)
+    const int nrow = cok ? min(max(cp.Cc - t0, 0), SB) : 0;
     auto ld_qk = [&](auto tag) {
       using T = decltype(tag);
       const int h = hv / (HV / p.H);
+      if constexpr (F5) {
+        const int64_t o0 = ((cp.row0 + t0) * p.H + h) * K + c, os = static_cast<int64_t>(p.H) * K;
+        const T* qp = reinterpret_cast<const T*>(p.q) + o0;
+        const T* kp = reinterpret_cast<const T*>(p.k) + o0;
+#pragma unroll
+        for (int i = 0; i < SB; ++i) {
+          const bool ok = i < nrow;
+          qv[i] = ok ? ld_elem<T>(qp, 0) : 0.f;
+          kv[i] = ok ? ld_elem<T>(kp, 0) : 0.f;
+          qp += os;
+          kp += os;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < SB; ++i) {
+          const int t = t0 + i;
+          const bool ok = t < cp.Cc && cok;
+          const int64_t o = ((cp.row0 + t) * p.H + h) * K + c;
+          qv[i] = ok ? ld_elem<T>(p.q, o) : 0.f;
+          kv[i] = ok ? ld_elem<T>(p.k, o) : 0.f;
+        }
+      }
+    };
+    if constexpr (F5) {
+      static_assert(PC, "F5 is KDA's (per-channel gate) instance");
+      const float* gp = p.g + ((cp.row0 + t0) * HV + hv) * K + c;
+      const int64_t gs = static_cast<int64_t>(HV) * K;
+#pragma unroll
+      for (int i = 0; i < SB; ++i, gp += gs) av[i] = i < nrow ? *gp : 0.f;
+    } else {
 #pragma unroll
       for (int i = 0; i < SB; ++i) {
         const int t = t0 + i;
-        const bool ok = t < cp.Cc && cok;
-        const int64_t o = ((cp.row0 + t) * p.H + h) * K + c;
-        qv[i] = ok ? ld_elem<T>(p.q, o) : 0.f;
-        kv[i] = ok ? ld_elem<T>(p.k, o) : 0.f;
+        av[i] = (t < cp.Cc && cok) ? load_gate<PC>(p, cp.row0 + t, hv, c) : 0.f;
       }
-    };
-#pragma unroll
-    for (int i = 0; i < SB; ++i) {
-      const int t = t0 + i;
-      av[i] = (t < cp.Cc && cok) ? load_gate<PC>(p, cp.row0 + t, hv, c) : 0.f;
     }
     if (p.in_dtype == kBF16) ld_qk(__nv_bfloat16{});
     else if (p.in_dtype == kF16) ld_qk(__half{});
@@ -118,7 +177,11 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
 #pragma unroll
     for (int i = 0; i < SB; ++i) {
       const int t = t0 + i;
-      av[i] = (t < cp.Cc && cok) ? expf(av[i]) : 1.f;
+      if constexpr (F5) {
+        const float e = expf(av[i]);  // the same expf, no branch
+        av[i] = i < nrow ? e : 1.f;
+      }
+      else av[i] = (t < cp.Cc && cok) ? expf(av[i]) : 1.f;
       S.q[t][lane] = qv[i];
       S.k[t][lane] = kv[i];
       S.a[t][lane] = av[i];
@@ -159,6 +222,7 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
     const float P1 = G[0], P2 = P1 * G[1], P3 = P2 * G[2];
     gl = P3 * G[3];
     const float S2 = G[3], S1 = S2 * G[2], S0 = S1 * G[1];
+    [[maybe_unused]] float pr[SB];
     const float PB = w == 0 ? 1.f : (w == 1 ? P1 : (w == 2 ? P2 : P3));
     const float SBw = w == 0 ? S0 : (w == 1 ? S1 : (w == 2 ? S2 : 1.f));
 #pragma unroll
@@ -169,8 +233,33 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
       const float qi = S.q[t0 + i][lane], ki = S.k[t0 + i][lane];
       dg[i] = fmaf(qi, dq[i], ki * bti * dRg);  // r, then its suffix sums
       gam[i] = ki * ke;                           // pk, then its exclusive prefix sums
-      const float db = warp_sum(dRg * ki);
-      if (lane == 0) S.dbp[t0 + i] = db;
+      if constexpr (F5) {
+        pr[i] = __fmul_rn(dRg, ki);
+      } else {
+        const float db = warp_sum(dRg * ki);
+        if (lane == 0) S.dbp[t0 + i] = db;
+      }
+    }
+    if constexpr (F5) {
+      // transposed butterfly: at level m the lane keeps the rows whose bit matches its lane bit m and receives its
+      // partner's sums of them -- warp_sum's pair (own + partner) for each row; lane l ends with row
+      // 8 b4 + 4 b3 + 2 b2 + b1 of its bits
+      auto level = [&](auto nc) {  // n = 8, 4, 2, 1 rows kept of 2 n, partner lane ^ 2 n
+        constexpr int n = decltype(nc)::value;
+        const bool up = lane & (2 * n);
+#pragma unroll
+        for (int j = 0; j < n; ++j) {
+          const float send = up ? pr[j] : pr[j + n], keep = up ? pr[j + n] : pr[j];
+          pr[j] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, 2 * n));
+        }
+      };
+      level(std::integral_constant<int, 8>{});
+      level(std::integral_constant<int, 4>{});
+      level(std::integral_constant<int, 2>{});
+      level(std::integral_constant<int, 1>{});
+      const float db = __fadd_rn(pr[0], __shfl_xor_sync(0xffffffffu, pr[0], 1));
+      const int row = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1);
+      if (!(lane & 1)) S.dbp[t0 + row] = db;
     }
     float run = 0.f;
 #pragma unroll
@@ -369,7 +458,19 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
 #pragma unroll
     for (int i = 0; i < SB; ++i) dg[i] += F;
   }
-  if (cok) {
+  if constexpr (F5) {
+    const int nrow = cok ? min(max(cp.Cc - t0, 0), SB) : 0;
+    const int64_t o0 = tok(t0) * K + c, os = static_cast<int64_t>(HV) * K;
+    float *qo = p.dq + o0, *ko = p.dk + o0, *go = p.dg + o0;
+#pragma unroll
+    for (int i = 0; i < SB; ++i, qo += os, ko += os, go += os) {
+      if (i < nrow) {
+        *qo = dq[i];
+        *ko = dk[i];
+        *go = dg[i];
+      }
+    }
+  } else if (cok) {
 #pragma unroll
     for (int i = 0; i < SB; ++i) {
       const int t = t0 + i;
@@ -394,10 +495,13 @@ __global__ void __launch_bounds__(kCh2Threads, 3) grad3_ch2_kernel(Params p) {
 #endif
 }
 
-// Launch: grid (chunks x 4 channel groups, HV), clusters of the 4 groups of a chunk.
+// Launch: grid (chunks x 4 channel groups, HV), clusters of the 4 groups of a chunk. f5: the F5 instance (KDA).
 template <bool PC>
-void launch_grad3_ch2(int64_t nc_max, int HV, const Params& p, cudaStream_t st) {
-  auto kern = grad3_ch2_kernel<PC>;
+void launch_grad3_ch2(int64_t nc_max, int HV, const Params& p, cudaStream_t st, bool f5 = false) {
+  auto kern = grad3_ch2_kernel<PC, false>;
+  if constexpr (PC) {
+    if (f5) kern = grad3_ch2_kernel<PC, true>;
+  }
   allow_dynamic_smem(kern, kCh2Smem, /*max_carveout=*/true);  // several blocks per SM
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(nc_max * kCh2Groups), static_cast<unsigned>(HV));

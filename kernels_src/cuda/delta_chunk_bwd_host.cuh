@@ -38,7 +38,7 @@ enum BwdWork {
 };
 // cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
 // (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kBwCfgLen };
+enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
 // set; the output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
@@ -138,6 +138,9 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
     // (always for fp32 inputs)
     c[kCfgVc] = env_choice(op, "KDA_CUDA_CHUNK_BWD_VC", 3, {3, 2, 1});
+    // the per-channel stage (KDA): 2 = grad3_ch2 (default), 5 = its F5 instance (session 13, opt-in: the same
+    // gradients bit for bit, fewer integer / shuffle instructions; delta_chunk_bwd_grad3_ch2.cuh). GDN ignores it.
+    c[kCfgCh] = env_choice(op, "KDA_CUDA_CHUNK_BWD_CH", 2, {2, 5});
     // read again where they act (the grad stage, the GVA reduce), which have no op name: checked here, at stage 0
     env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 2, {2, 1});
     env_choice(op, "KDA_CUDA_CHUNK_BWD_GVA", 1, {1, 0});
@@ -347,7 +350,7 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     if constexpr (PC) {
       // grad3_ch2 (delta_chunk_bwd_grad3_ch2.cuh; clusters of 4 blocks of 32 channels, several blocks per SM), every
       // dtype and K
-      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st);
+      cb::launch_grad3_ch2<PC>(nc_max, s.HV, p, st, /*f5=*/bwd_cfg(work, kCfgCh) == 5);
     } else {
       // GDN: grad3_gdn (delta_chunk_bwd_grad3_gdn.cuh; per-head decays as plain products on tensor cores, 75 / 107 KB
       // for bf16-fp16 / fp32 inputs: two blocks per SM; dg per head, bwd_dg_per_head), every dtype and K
