@@ -330,6 +330,317 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
   if (tid < Cc) p.dbeta[tok(tid)] = dbs[tid] + dbs[CH + tid];
 }
 
+// grad3_wy4 (KDA_CUDA_CHUNK_BWD_WY=4, session 13, opt-in): grad3_wy2 with fewer instructions per warp, every
+// output bit for bit grad3_wy2's (the same MMAs on the same operands in the same order per accumulator, the same
+// fp adds / FMAs in the same order):
+//  - T^T's 3xTF32 hi / lo splits formed once after the inversion and kept in shared memory in fragment order
+//    (tt + ms, 20 KB: the 20 (row tile, k-step) A fragments of T^T dX), read as two 16-byte loads per k-step
+//    instead of four scalar loads and four splits in every slice;
+//  - dL += dR X^T rebalanced: warp (mi, nh) accumulates the tiles J = 2 i + nh, i <= mi, of row tile mi (grad3_wy2:
+//    J in 4 nh .. 4 nh + 3, J <= 2 mi + 1, so warp (1, 0) did four tiles and warp (0, 1) none, after splitting
+//    its A fragments anyway); dL goes through shared memory (buffer 0, free at the end) to the epilogue, which
+//    runs grad3_wy2's thread mapping so the dbeta chains keep their order.
+struct Wy4Smem {
+  static constexpr int tf = Wy2Smem::tt;           // [20][2][32][4] T^T fragments (hi, lo) over tt + ms
+  static constexpr int frags = 20;
+  static_assert(Wy2Smem::beta - Wy2Smem::tt >= frags * 256, "T^T fragments fit in tt + ms");
+};
+
+template <bool PC, typename TI>
+__global__ void __launch_bounds__(NT, 2) grad3_wy4_kernel(Params p) {
+  using L = Wy2Smem;
+  using P2 = Wy2Pair<TI>;
+  ChunkPos cp;
+  if (!chunk_pos(p, blockIdx.x, cp)) return;
+  const int cid = blockIdx.x, hv = blockIdx.y;
+  extern __shared__ __align__(16) float sm[];
+  float* akks = sm + L::akk;
+  float* tts = sm + L::tt;
+  float* mss = sm + L::ms;
+  float* bes = sm + L::beta;
+  float* dbs = sm + L::dbs;
+  float* tfs = sm + Wy4Smem::tf;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gq = lane >> 2, t4 = lane & 3;
+  const int mi = warp & 3, nh = warp >> 2;
+  const int K = p.K, V = p.V, HV = p.HV, Cc = cp.Cc;
+  const size_t abase = (static_cast<size_t>(cid) * HV + hv) * CH * CH;
+  const size_t tbase = (static_cast<size_t>(cid) * HV + hv) * CH * KP;
+  auto tok = [&](int t) { return (cp.row0 + t) * HV + hv; };
+  const int nsu = (V + kWy2S - 1) / kWy2S;
+  const int ns = nsu + (K + kWy2S - 1) / kWy2S;
+
+  auto issue = [&](int s, int b) {
+    float* dx = sm + b * L::buf + L::dx;
+    float* xs = sm + b * L::buf + L::x;
+#pragma unroll
+    for (int r = 0; r < CH * kWy2S / 4 / NT; ++r) {
+      const int i = tid + r * NT, t = i >> 4, c4 = 4 * (i & 15);
+      if (s < nsu) {
+        const int c = s * kWy2S + c4;
+        const bool ok = t < Cc && c < V;
+        const int64_t o = ok ? tok(t) * V + c : 0;
+        vctc_cpa16z(dx + t * kWy2LdB + c4, p.dU + o, ok);
+        vctc_cpa16z(xs + t * kWy2LdA + c4, p.u + o, ok);
+      } else {
+        const size_t o = tbase + static_cast<size_t>(t) * KP + (s - nsu) * kWy2S + c4;
+        vctc_cpa16z(dx + t * kWy2LdB + c4, p.gdw + o, true);
+        vctc_cpa16z(xs + t * kWy2LdA + c4, p.wc + o, t < Cc);
+      }
+    }
+  };
+
+  if (tid < CH) {
+    bes[tid] = tid < Cc ? p.beta[tok(tid)] : 0.f;
+    dbs[tid] = 0.f;
+    dbs[CH + tid] = 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < CH * CH / 4 / NT; ++r) {
+    const int i = tid + r * NT, t = i >> 4, c4 = 4 * (i & 15);
+    vctc_cpa16z(akks + t * kWy2LdA + c4, p.akk + abase + t * CH + c4, true);
+  }
+  cpa_commit();
+  issue(0, 0);
+  cpa_commit();
+  if (ns > 1) issue(1, 1);
+  cpa_commit();
+  cpa_wait<2>();
+  __syncthreads();
+
+  // ---- T = (I + L)^{-1}, as grad3_wy2
+  if (tid < CH) {
+    const int i0 = 16 * (tid >> 4), jj = tid & 15;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      const float* lr = akks + (i0 + r) * kWy2LdA + i0;
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) {
+        if (m & 1) s1 = fmaf(lr[m], x[m], s1);
+        else s0 = fmaf(lr[m], x[m], s0);
+      }
+      x[r] = (r == jj ? 1.f : 0.f) - bes[i0 + r] * (s0 + s1);
+    }
+    float* tr = tts + (i0 + jj) * kWy2LdA + i0;
+#pragma unroll
+    for (int r = 0; r < 16; r += 4) *reinterpret_cast<float4*>(tr + r) = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
+  }
+  __syncthreads();
+  {
+    const int r = tid >> 4, cc = tid & 15;
+#pragma unroll
+    for (int d = 1; d < 4; ++d) {
+#pragma unroll
+      for (int b = 0; b < 4 - d; ++b) {
+        const int i = b + d, j = b;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int k = j; k < i; ++k) {
+          const float* lr = akks + (16 * i + r) * kWy2LdA + 16 * k;
+          const float* tc = tts + (16 * j + cc) * kWy2LdA + 16 * k;
+#pragma unroll
+          for (int m = 0; m < 16; m += 4) {
+            const float4 a = *reinterpret_cast<const float4*>(lr + m);
+            const float4 t = *reinterpret_cast<const float4*>(tc + m);
+            s0 = fmaf(a.x, t.x, s0);
+            s1 = fmaf(a.y, t.y, s1);
+            s0 = fmaf(a.z, t.z, s0);
+            s1 = fmaf(a.w, t.w, s1);
+          }
+        }
+        mss[b * 256 + tid] = bes[16 * i + r] * (s0 + s1);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int b = 0; b < 4 - d; ++b) {
+        const int i = b + d, j = b;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; m += 2) {
+          s0 = fmaf(tts[(16 * i + m) * kWy2LdA + 16 * i + r], mss[b * 256 + m * 16 + cc], s0);
+          s1 = fmaf(tts[(16 * i + m + 1) * kWy2LdA + 16 * i + r], mss[b * 256 + (m + 1) * 16 + cc], s1);
+        }
+        tts[(16 * j + cc) * kWy2LdA + 16 * i + r] = -(s0 + s1);
+      }
+      __syncthreads();
+    }
+  }
+
+  // ---- T^T's A fragments split once: fragment f = mi (7 - mi) + ks (row tile mi, k-step ks >= 2 mi) at
+  // tfs[256 f]: hi [32 lanes][4], then lo [32][4]; warp w forms f = w, w + 8, w + 16 (read all, barrier, write)
+  {
+    float av[3][4];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      const int f = warp + 8 * q;
+      if (f < Wy4Smem::frags) {
+        const int fm = f < 8 ? 0 : (f < 14 ? 1 : (f < 18 ? 2 : 3));
+        const int k0 = 8 * (f - fm * (7 - fm)) + t4;
+        const float* ar = tts + (16 * fm + gq) * kWy2LdA + k0;
+        av[q][0] = ar[0];
+        av[q][1] = ar[8 * kWy2LdA];
+        av[q][2] = ar[4];
+        av[q][3] = ar[8 * kWy2LdA + 4];
+      }
+    }
+    __syncthreads();  // every read of T^T done: the fragments go over it
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      const int f = warp + 8 * q;
+      if (f < Wy4Smem::frags) {
+        uint32_t ah[4], al[4];
+        sb3_split4<true>(av[q], ah, al);
+        *reinterpret_cast<uint4*>(tfs + 256 * f + 4 * lane) = make_uint4(ah[0], ah[1], ah[2], ah[3]);
+        *reinterpret_cast<uint4*>(tfs + 256 * f + 128 + 4 * lane) = make_uint4(al[0], al[1], al[2], al[3]);
+      }
+    }
+    // (the slice loop's first barrier orders these writes before their reads)
+  }
+
+  // ---- the slices
+  float dl[4][4], db[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dl[i][e] = 0.f;
+  const int tr0 = 16 * mi + gq;
+  const float* tfw = tfs + 256 * (mi * (7 - mi)) + 4 * lane;  // + 256 ks: this warp's fragment at k-step ks
+  for (int s = 0; s < ns; ++s) {
+    const int b = s & 1;
+    const bool us = s < nsu;
+    float* dx = sm + b * L::buf + L::dx;
+    const float* xs = sm + b * L::buf + L::x;
+    typename P2::type vr[2][4];
+    if (us) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int t = tr0 + 8 * h, c = s * kWy2S + 32 * nh + 8 * nt + 2 * t4;
+          if (t < Cc && c < V) vr[h][nt] = *reinterpret_cast<const typename P2::type*>(
+                                   static_cast<const TI*>(p.v) + tok(t) * V + c);
+          else vr[h][nt] = P2::from(0.f, 0.f);
+        }
+    }
+    cpa_wait<1>();
+    __syncthreads();
+    // dR_s = T^T dX_s (as grad3_wy2, A from the pre-split fragments)
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < CH / 8; ++ks) {
+      if (ks < 2 * mi) continue;  // warp-uniform
+      const int k0 = 8 * ks + t4;
+      const uint4 h4 = *reinterpret_cast<const uint4*>(tfw + 256 * ks);
+      const uint4 l4 = *reinterpret_cast<const uint4*>(tfw + 256 * ks + 128);
+      const uint32_t ah[4] = {h4.x, h4.y, h4.z, h4.w}, al[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float* br = dx + k0 * kWy2LdB + 32 * nh + 8 * nt + gq;
+        uint32_t bh0, bl0, bh1, bl1;
+        sb3_split<true>(br[0], bh0, bl0);
+        sb3_split<true>(br[4 * kWy2LdB], bh1, bl1);
+        wy2_mma(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int c = 32 * nh + 8 * nt + 2 * t4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = tr0 + 8 * h;
+        const float r0 = acc[nt][2 * h], r1 = acc[nt][2 * h + 1];
+        *reinterpret_cast<float2*>(dx + t * kWy2LdA + c) = make_float2(r0, r1);
+        if (us) {
+          const int col = s * kWy2S + c;
+          if (t < Cc && col < V) {
+            const float bt = bes[t];
+            *reinterpret_cast<typename P2::type*>(static_cast<TI*>(p.dv) + tok(t) * V + col) = P2::from(bt * r0, bt * r1);
+            const float2 vv = P2::f2(vr[h][nt]);
+            db[h] = fmaf(r0, vv.x, db[h]);
+            db[h] = fmaf(r1, vv.y, db[h]);
+          }
+        } else {
+          *reinterpret_cast<float2*>(p.gdw + tbase + static_cast<size_t>(t) * KP + (s - nsu) * kWy2S + c) =
+              make_float2(r0, r1);
+        }
+      }
+    }
+    __syncthreads();
+    // dL += dR_s X_s^T: this warp's tiles J = 2 i + nh, i <= mi (every tile with 8 J <= 16 mi + 15 once)
+#pragma unroll
+    for (int ks = 0; ks < kWy2S / 8; ++ks) {
+      const int k0 = 8 * ks + t4;
+      const float* ar = dx + tr0 * kWy2LdA + k0;
+      const float av[4] = {ar[0], ar[8 * kWy2LdA], ar[4], ar[8 * kWy2LdA + 4]};
+      uint32_t ah[4], al[4];
+      sb3_split4<true>(av, ah, al);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (i > mi) continue;  // warp-uniform
+        const float* br = xs + (16 * i + 8 * nh + gq) * kWy2LdA + k0;
+        uint32_t bh0, bl0, bh1, bl1;
+        sb3_split<true>(br[0], bh0, bl0);
+        sb3_split<true>(br[4], bh1, bl1);
+        wy2_mma(dl[i], ah, al, bh0, bh1, bl0, bl1);
+      }
+    }
+    __syncthreads();
+    if (s + 2 < ns) issue(s + 2, b);
+    cpa_commit();
+  }
+
+  // ---- dL tiles to shared memory (buffer 0's dX area, [CH][kWy2LdA]), then grad3_wy2's epilogue mapping
+  float* dls = sm + L::dx;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (i > mi) continue;
+    const int j = 16 * i + 8 * nh + 2 * t4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(dls + (tr0 + 8 * h) * kWy2LdA + j) = make_float2(dl[i][2 * h], dl[i][2 * h + 1]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const int j = 32 * nh + 8 * nt + 2 * t4;
+    const bool done = 4 * nh + nt <= 2 * mi + 1;  // tile computed (else j >= t: zeros, as grad3_wy2)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = tr0 + 8 * h;
+      const float2 d = done ? *reinterpret_cast<const float2*>(dls + t * kWy2LdA + j) : make_float2(0.f, 0.f);
+      const float l0 = j < t ? -d.x : 0.f;
+      const float l1 = j + 1 < t ? -d.y : 0.f;
+      if (j < t) db[h] = fmaf(l0, akks[t * kWy2LdA + j], db[h]);
+      if (j + 1 < t) db[h] = fmaf(l1, akks[t * kWy2LdA + j + 1], db[h]);
+      const float bt = bes[t];
+      *reinterpret_cast<float2*>(p.akk + abase + t * CH + j) = make_float2(bt * l0, bt * l1);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    db[h] += __shfl_xor_sync(0xffffffffu, db[h], 1);
+    db[h] += __shfl_xor_sync(0xffffffffu, db[h], 2);
+  }
+  if (t4 == 0) {
+    dbs[nh * CH + tr0] = db[0];
+    dbs[nh * CH + tr0 + 8] = db[1];
+  }
+  __syncthreads();
+  if (tid < Cc) p.dbeta[tok(tid)] = dbs[tid] + dbs[CH + tid];
+}
+
+template <bool PC>
+auto grad3_wy4(int in_dtype) {
+  return in_dtype == kF32 ? grad3_wy4_kernel<PC, float>
+                          : (in_dtype == kF16 ? grad3_wy4_kernel<PC, __half> : grad3_wy4_kernel<PC, __nv_bfloat16>);
+}
+
 // The kernel for the inputs' dtype.
 template <bool PC>
 auto grad3_wy2(int in_dtype) {

@@ -142,7 +142,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // gradients bit for bit, fewer integer / shuffle instructions; delta_chunk_bwd_grad3_ch2.cuh). GDN ignores it.
     c[kCfgCh] = env_choice(op, "KDA_CUDA_CHUNK_BWD_CH", 2, {2, 5});
     // read again where they act (the grad stage, the GVA reduce), which have no op name: checked here, at stage 0
-    env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 2, {2, 1});
+    env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 2, {2, 1, 4});  // 4: grad3_wy4 (session 13, opt-in)
     env_choice(op, "KDA_CUDA_CHUNK_BWD_GVA", 1, {1, 0});
     work[kBwCfg] = cfg;
   }
@@ -338,8 +338,10 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0;
     // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1 (=3, plain tf32
     // products for bf16 inputs: retired in session 11, refused by chunk_bwd_params)
+    // (=4: grad3_wy4, the same file: grad3_wy2 with T^T's splits formed once and dL rebalanced, bit for bit its
+    // outputs; session 13, opt-in)
     if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0) {
-      auto kern = cb::grad3_wy2<PC>(p.in_dtype);
+      auto kern = wy == 4 ? cb::grad3_wy4<PC>(p.in_dtype) : cb::grad3_wy2<PC>(p.in_dtype);
       allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
       kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
     } else {
