@@ -331,18 +331,25 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy2_kernel(Params p) {
 }
 
 // grad3_wy4 (KDA_CUDA_CHUNK_BWD_WY=4, session 13, opt-in): grad3_wy2 with fewer instructions per warp, every
-// output bit for bit grad3_wy2's (the same MMAs on the same operands in the same order per accumulator, the same
-// fp adds / FMAs in the same order):
-//  - T^T's 3xTF32 hi / lo splits formed once after the inversion and kept in shared memory in fragment order
-//    (tt + ms, 20 KB: the 20 (row tile, k-step) A fragments of T^T dX), read as two 16-byte loads per k-step
-//    instead of four scalar loads and four splits in every slice;
-//  - dL += dR X^T rebalanced: warp (mi, nh) accumulates the tiles J = 2 i + nh, i <= mi, of row tile mi (grad3_wy2:
-//    J in 4 nh .. 4 nh + 3, J <= 2 mi + 1, so warp (1, 0) did four tiles and warp (0, 1) none, after splitting
-//    its A fragments anyway); dL goes through shared memory (buffer 0, free at the end) to the epilogue, which
-//    runs grad3_wy2's thread mapping so the dbeta chains keep their order.
+// output bit for bit grad3_wy2's (the same MMAs on the same tf32 words in the same order per accumulator, the same
+// fp adds / FMAs in the same order; tests/test_cuda_grad3_wy4_emu.py checks the data movement):
+//  - T^T's 3xTF32 hi / lo splits formed once after the inversion, kept in shared memory in fragment order over
+//    tt + ms (20 KB: the 20 (row tile, k-step) A fragments of T^T dX), two 16-byte loads per use;
+//  - T^T dX by column tiles: warp w owns columns 8 w .. + 7 of all four row tiles, so each dX fragment is split
+//    once per k-step (grad3_wy2: by each of up to four row-tile warps); dR_s goes to shared memory as before and
+//    dbeta's dR_u . v terms are read back from there in grad3_wy2's thread mapping and order;
+//  - dL += dR X^T over a table of (row tile, column tiles) per warp, three tiles for warps 0-3 and two for 4-7
+//    (grad3_wy2: 2, 4, 4, 4, 0, 0, 2, 4 tiles, warps 4 and 5 splitting A fragments for none); dL goes through
+//    shared memory (buffer 0, free at the end) to grad3_wy2's epilogue mapping, so the dbeta chains keep their order.
+// Same 108 KB and launch as grad3_wy2.
 struct Wy4Smem {
   static constexpr int tf = Wy2Smem::tt;           // [20][2][32][4] T^T fragments (hi, lo) over tt + ms
   static constexpr int frags = 20;
+  // dL tiles per warp w: row tile (band >> 2 w) & 3, column tiles (col0 >> 4 w) & 15 .. + 2 (w < 4) / + 1 (w >= 4):
+  // row tile 2 as 0-2 / 3-5, 3 as 0-2 / 3-5 / 6-7, 0 as 0-1, 1 as 0-1 / 2-3 (each tile with 8 J <= 16 mi + 15 once;
+  // three-tile warps w and two-tile warps w + 4 share a scheduler)
+  static constexpr unsigned band = 2u | 2u << 2 | 3u << 4 | 3u << 6 | 0u << 8 | 1u << 10 | 1u << 12 | 3u << 14;
+  static constexpr unsigned col0 = 0u | 3u << 4 | 0u << 8 | 3u << 12 | 0u << 16 | 0u << 20 | 2u << 24 | 6u << 28;
   static_assert(Wy2Smem::beta - Wy2Smem::tt >= frags * 256, "T^T fragments fit in tt + ms");
 };
 
@@ -499,13 +506,16 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy4_kernel(Params p) {
   }
 
   // ---- the slices
-  float dl[4][4], db[2] = {0.f, 0.f};
+  float dl[3][4], db[2] = {0.f, 0.f};
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 3; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dl[i][e] = 0.f;
-  const int tr0 = 16 * mi + gq;
-  const float* tfw = tfs + 256 * (mi * (7 - mi)) + 4 * lane;  // + 256 ks: this warp's fragment at k-step ks
+  const int tr0 = 16 * mi + gq;  // grad3_wy2's rows of this thread (v, dbeta, the epilogue)
+  // dL tiles of this warp: row tile pb, column tiles pj .. pj + pn - 1 (Wy4Smem::band / col0)
+  const int pb = (Wy4Smem::band >> (2 * warp)) & 3, pj = (Wy4Smem::col0 >> (4 * warp)) & 15;
+  const int pn = warp < 4 ? 3 : 2;
+  const int pr0 = 16 * pb + gq;
   for (int s = 0; s < ns; ++s) {
     const int b = s & 1;
     const bool us = s < nsu;
@@ -525,65 +535,80 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy4_kernel(Params p) {
     }
     cpa_wait<1>();
     __syncthreads();
-    // dR_s = T^T dX_s (as grad3_wy2, A from the pre-split fragments)
+    // dR_s = T^T dX_s: warp w the columns 8 w .. + 7 of every row tile mt (k-steps ks >= 2 mt, in order), its dX
+    // fragment split once per k-step, T^T's from the pre-split fragments
     float acc[4][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < CH / 8; ++ks) {
-      if (ks < 2 * mi) continue;  // warp-uniform
-      const int k0 = 8 * ks + t4;
-      const uint4 h4 = *reinterpret_cast<const uint4*>(tfw + 256 * ks);
-      const uint4 l4 = *reinterpret_cast<const uint4*>(tfw + 256 * ks + 128);
-      const uint32_t ah[4] = {h4.x, h4.y, h4.z, h4.w}, al[4] = {l4.x, l4.y, l4.z, l4.w};
+      const float* br = dx + (8 * ks + t4) * kWy2LdB + 8 * warp + gq;
+      uint32_t bh0, bl0, bh1, bl1;
+      sb3_split<true>(br[0], bh0, bl0);
+      sb3_split<true>(br[4 * kWy2LdB], bh1, bl1);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float* br = dx + k0 * kWy2LdB + 32 * nh + 8 * nt + gq;
-        uint32_t bh0, bl0, bh1, bl1;
-        sb3_split<true>(br[0], bh0, bl0);
-        sb3_split<true>(br[4 * kWy2LdB], bh1, bl1);
-        wy2_mma(acc[nt], ah, al, bh0, bh1, bl0, bl1);
+      for (int mt = 0; mt <= ks / 2; ++mt) {
+        const float* fr = tfs + 256 * (mt * (7 - mt) + ks) + 4 * lane;
+        const uint4 h4 = *reinterpret_cast<const uint4*>(fr);
+        const uint4 l4 = *reinterpret_cast<const uint4*>(fr + 128);
+        const uint32_t ah[4] = {h4.x, h4.y, h4.z, h4.w}, al[4] = {l4.x, l4.y, l4.z, l4.w};
+        wy2_mma(acc[mt], ah, al, bh0, bh1, bl0, bl1);
       }
     }
-    __syncthreads();
+    __syncthreads();  // every read of dX_s done: dR_s goes over it
+    {
+      const int c = 8 * warp + 2 * t4;
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int c = 32 * nh + 8 * nt + 2 * t4;
+      for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int t = tr0 + 8 * h;
-        const float r0 = acc[nt][2 * h], r1 = acc[nt][2 * h + 1];
-        *reinterpret_cast<float2*>(dx + t * kWy2LdA + c) = make_float2(r0, r1);
-        if (us) {
-          const int col = s * kWy2S + c;
-          if (t < Cc && col < V) {
-            const float bt = bes[t];
-            *reinterpret_cast<typename P2::type*>(static_cast<TI*>(p.dv) + tok(t) * V + col) = P2::from(bt * r0, bt * r1);
-            const float2 vv = P2::f2(vr[h][nt]);
-            db[h] = fmaf(r0, vv.x, db[h]);
-            db[h] = fmaf(r1, vv.y, db[h]);
+        for (int h = 0; h < 2; ++h) {
+          const int t = 16 * mt + gq + 8 * h;
+          const float r0 = acc[mt][2 * h], r1 = acc[mt][2 * h + 1];
+          *reinterpret_cast<float2*>(dx + t * kWy2LdA + c) = make_float2(r0, r1);
+          if (us) {
+            const int col = s * kWy2S + c;
+            if (t < Cc && col < V) {
+              const float bt = bes[t];
+              *reinterpret_cast<typename P2::type*>(static_cast<TI*>(p.dv) + tok(t) * V + col) =
+                  P2::from(bt * r0, bt * r1);
+            }
+          } else {
+            *reinterpret_cast<float2*>(p.gdw + tbase + static_cast<size_t>(t) * KP + (s - nsu) * kWy2S + c) =
+                make_float2(r0, r1);
           }
-        } else {
-          *reinterpret_cast<float2*>(p.gdw + tbase + static_cast<size_t>(t) * KP + (s - nsu) * kWy2S + c) =
-              make_float2(r0, r1);
+        }
+    }
+    __syncthreads();  // dR_s in shared memory
+    if (us) {  // dbeta's dR_u . v terms in grad3_wy2's thread mapping and order, dR_s read back
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int c = 32 * nh + 8 * nt + 2 * t4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = tr0 + 8 * h;
+          if (t < Cc && s * kWy2S + c < V) {
+            const float2 r = *reinterpret_cast<const float2*>(dx + t * kWy2LdA + c);
+            const float2 vv = P2::f2(vr[h][nt]);
+            db[h] = fmaf(r.x, vv.x, db[h]);
+            db[h] = fmaf(r.y, vv.y, db[h]);
+          }
         }
       }
     }
-    __syncthreads();
-    // dL += dR_s X_s^T: this warp's tiles J = 2 i + nh, i <= mi (every tile with 8 J <= 16 mi + 15 once)
+    // dL += dR_s X_s^T: this warp's tiles (pb, pj + i), i < pn
 #pragma unroll
     for (int ks = 0; ks < kWy2S / 8; ++ks) {
       const int k0 = 8 * ks + t4;
-      const float* ar = dx + tr0 * kWy2LdA + k0;
+      const float* ar = dx + pr0 * kWy2LdA + k0;
       const float av[4] = {ar[0], ar[8 * kWy2LdA], ar[4], ar[8 * kWy2LdA + 4]};
       uint32_t ah[4], al[4];
       sb3_split4<true>(av, ah, al);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (i > mi) continue;  // warp-uniform
-        const float* br = xs + (16 * i + 8 * nh + gq) * kWy2LdA + k0;
+      for (int i = 0; i < 3; ++i) {
+        if (i >= pn) continue;  // warp-uniform
+        const float* br = xs + (8 * (pj + i) + gq) * kWy2LdA + k0;
         uint32_t bh0, bl0, bh1, bl1;
         sb3_split<true>(br[0], bh0, bl0);
         sb3_split<true>(br[4], bh1, bl1);
@@ -598,12 +623,12 @@ __global__ void __launch_bounds__(NT, 2) grad3_wy4_kernel(Params p) {
   // ---- dL tiles to shared memory (buffer 0's dX area, [CH][kWy2LdA]), then grad3_wy2's epilogue mapping
   float* dls = sm + L::dx;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (i > mi) continue;
-    const int j = 16 * i + 8 * nh + 2 * t4;
+  for (int i = 0; i < 3; ++i) {
+    if (i >= pn) continue;
+    const int j = 8 * (pj + i) + 2 * t4;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float2*>(dls + (tr0 + 8 * h) * kWy2LdA + j) = make_float2(dl[i][2 * h], dl[i][2 * h + 1]);
+      *reinterpret_cast<float2*>(dls + (pr0 + 8 * h) * kWy2LdA + j) = make_float2(dl[i][2 * h], dl[i][2 * h + 1]);
   }
   __syncthreads();
 #pragma unroll
