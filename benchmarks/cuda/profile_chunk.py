@@ -81,8 +81,9 @@ KNOB_SWEEPS = [
      "2 grad3_ch2, the default, 5 its F5 instance: the same gradients bit for bit with fewer integer / shuffle "
      "instructions (session 13; 1, 3, 4: retired, refused)"),
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
-     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default (3, it with "
-     "plain tf32 for bf16 inputs: retired in session 11, refused)"),
+     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default, 4 grad3_wy4 "
+     "(grad3_wy2 with the splits formed once and rebalanced warps, bit for bit its outputs; session 13) (3, grad3_wy2 "
+     "with plain tf32 for bf16 inputs: retired in session 11, refused)"),
     ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
      "1 gva_reduce_kernel (the GVA reduce of dq, dk in one launch), the default since session 9, 0 the reduce in "
      "torch"),
