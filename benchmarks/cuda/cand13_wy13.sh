@@ -6,7 +6,7 @@
 # dL += dR X^T over a per-warp tile table (3 / 2 tiles; grad3_wy2: 2, 4, 4, 4, 0, 0, 2, 4). Claimed bit-identical to =2.
 # Checked without a GPU (nvcc 13.0, sm_90a): 128 registers, no spills, the same 108 KB / two blocks per SM; grad3_wy2's
 # SASS unchanged; slice-loop body per warp (SASS with the warp index made compile-time, u and w branches both counted)
-# max 1932 -> 1404 instructions, sum over the 8 warps 12 263 -> 10 629; HMMAs the same 960 per slice per block;
+# max 1932 -> 1404 instructions, sum over the 8 warps 12 263 -> 10 623; HMMAs the same 960 per slice per block;
 # FFMA / FMUL counts equal (no new contraction). tests/test_cuda_grad3_wy4_emu.py (CPU) checks the data movement.
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; one H200; writes under
 # $OUT/wy13. About 80-130 s in all.
