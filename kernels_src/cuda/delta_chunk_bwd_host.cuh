@@ -119,7 +119,7 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 9, "state_fwd_bf16_kernel (bf16 operands, U as hi + lo)", 13);
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 10, "state_fwd_bf16_kernel (U and K Eend as hi + lo)", 13);
     // Session 13, opt-in, both bit-identical to 7 (same warp tiles, mma chains and tf32 operands): 11 =
-    // state_fwd3 shared-operand (two narrow column groups per block, each with its own barriers, sharing bulk-copied
+    // state_fwd3 shared-operand (two narrow column groups per block, each with its own barriers, sharing
     // double-buffered w / K Eend tiles: half the L2 reads, operands a step ahead; sm_90+, else 7), 12 = state_fwd3
     // wide-block (=7's warp tiles on 16 warps of one 32-column block, =3's cp.async double buffers).
     c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 7, {7, 3, 2, 11, 12});
@@ -247,8 +247,8 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     const dim3 gnar(s.N, s.HV, (s.V + bv - 1) / bv);
     kern<<<gnar, cb::kSf3Threads, cb::kStateFwd3NarrowSmem, st>>>(p);
   } else if (mode == 11 && p.in_dtype != kF32 && cc_major() >= 9) {
-    // state_fwd3 shared-operand (=11): two narrow column groups per block sharing bulk-copied, double-buffered
-    // operand tiles; 171 KB, one block per SM, sm_90+ (elsewhere =11 runs =7 below)
+    // state_fwd3 shared-operand (=11): two narrow column groups per block sharing double-buffered operand tiles
+    // (cp.async tracked by mbarriers); 171 KB, one block per SM, sm_90+ (elsewhere =11 runs =7 below)
     auto kern = cb::state_fwd3s_kernel<PC>;
     allow_dynamic_smem(kern, cb::kStateFwd3sSmem);
     kern<<<gseq, cb::kSf3sThreads, cb::kStateFwd3sSmem, st>>>(p);

@@ -369,15 +369,19 @@ __global__ void __launch_bounds__(kSf3WideThreads, 1) state_fwd3w_kernel(Params 
 // v0 .. v0 + 15, warps 8..15: v0 + 16 .. v0 + 31), each group exactly a narrow (=7) block: its own h / U tiles
 // (LDH 24), its own named barrier (1 + group) for its two barriers per chunk step, the narrow warp tiles and
 // fragment reads, so every output element comes from the same mma chain on the same tf32 operands as under =7
-// (bit-identical). What the groups share is the chunk's w, K Eend and Gam_last tiles: one bulk copy per tile row
-// (cp.async.bulk, complete_tx on a per-buffer mbarrier, w and K Eend + Gam_last on separate ones), double-buffered,
-// so a block moves half the L2 -> SM bytes of two narrow blocks and each tile is issued a step ahead (w(c + 2) when
-// both groups have finished chunk c, i.e. at the later group's start of chunk c + 1; K Eend(c + 2) is waited for
-// half a step later than w). The two groups only meet at that hand-off (a shared-memory counter per buffer: the
-// second group to release a buffer issues its next tiles, one warp, 4 rows a lane), so, as the two narrow blocks on
-// an SM, one can run while the other waits at its barrier. h and U go into shared memory rounded to tf32 once (as
-// the =7 fragment reads round them: cvt.rna of a tf32 value is the value), so their B fragments need no cvt.
-// 175,152 bytes of shared memory, one block per SM; sm_90+ (bulk copies), the host falls back to =7 elsewhere.
+// (bit-identical). The groups share the chunk's w, K Eend and Gam_last tiles, double-buffered: a block moves half
+// the L2 -> SM bytes of two narrow blocks, and each tile is issued a whole chunk step ahead of its first read
+// (=7: about half a step, exposed every step). Hand-off, per tile kind (w; K Eend with Gam_last) and buffer: a
+// group gives the buffer of chunk c back once all its warps are past their last read (w: its second barrier of
+// chunk c; K Eend: its first barrier of chunk c + 1) -- warp 0's lane 0 counts the release in a shared counter;
+// the second group to release (odd count) then issues chunk c + 2 into the buffer with its 256 threads (16-byte
+// cp.async pieces, as =7, each thread then cp.async.mbarrier.arrive.noinc on the tile's mbarrier, count 256) right
+// after its next barrier (which publishes the decision to the group). Readers wait on the mbarrier's phase
+// ((c >> 1) & 1) before the barrier in front of their first read. So the groups meet only there, and, as two
+// narrow blocks on an SM, one can run while the other waits at its barrier. (Row-wise bulk copies, 129 per chunk
+// step, were session 9's state_fwd4: slower.) h and U go into shared memory rounded to tf32 once (as the =7
+// fragment reads round them: cvt.rna of a tf32 value is the value), so their B fragments need no cvt.
+// 175,168 bytes of shared memory, one block per SM.
 constexpr int kSf3sThreads = 512;
 struct StateFwd3sSmem {
   static constexpr int LDH = sf3_ldh<kSf3NarrowBV>();
@@ -386,14 +390,14 @@ struct StateFwd3sSmem {
   static constexpr size_t gl_off = e_off + 2 * CH * kSf3LdE;   // 2 x [KP]
   static constexpr size_t h_off = gl_off + 2 * KP;             // 2 groups x [KP][LDH]
   static constexpr size_t u_off = h_off + 2 * KP * LDH;        // 2 groups x [CH][LDH]
-  static constexpr size_t bar_off = u_off + 2 * CH * LDH;      // mbarriers fw[2], fe[2] (8 bytes each), cnt[2]
-  static constexpr size_t bytes = bar_off * sizeof(float) + 4 * 8 + 2 * 4 + 8;
+  // mbarriers fw[2], fe[2] (8 bytes each); int counters cw[2], ce[2]; int flags fw[group], fe[group]
+  static constexpr size_t bar_off = u_off + 2 * CH * LDH;
+  static constexpr size_t bytes = bar_off * sizeof(float) + 4 * 8 + 8 * 4;
 };
 constexpr size_t kStateFwd3sSmem = StateFwd3sSmem::bytes;
-static_assert(kStateFwd3sSmem == 175152 && kStateFwd3sSmem <= 227 * 1024, "state_fwd3s shared memory changed");
-static_assert((StateFwd3sSmem::bar_off * sizeof(float)) % 16 == 0 && (kSf3LdW * 4) % 16 == 0 &&
-              (kSf3LdE * 4) % 16 == 0 && StateFwd3sSmem::e_off % 4 == 0 && StateFwd3sSmem::gl_off % 4 == 0,
-              "bulk copies: 16-byte aligned rows");
+static_assert(kStateFwd3sSmem == 175168 && kStateFwd3sSmem <= 227 * 1024, "state_fwd3s shared memory changed");
+static_assert((StateFwd3sSmem::bar_off * sizeof(float)) % 16 == 0 && StateFwd3sSmem::e_off % 4 == 0 &&
+              StateFwd3sSmem::gl_off % 4 == 0, "16-byte aligned cp.async pieces, 8-byte aligned mbarriers");
 
 template <bool PC>
 __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) {
@@ -401,14 +405,15 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
   using S = StateFwd3sSmem;
   constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = S::LDH;
   constexpr int MT = 2;
-  constexpr uint32_t kRowBytes = KP * sizeof(float);
+  constexpr int GT = kSf3sThreads / 2;  // threads per group
   extern __shared__ __align__(16) float sm[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, grp = warp >> 3, wg = warp & 7;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, grp = warp >> 3, wg = warp & 7, gt = tid & (GT - 1);
   const int wi = wg & 3, wc = wg >> 2, gq = lane >> 2, t4 = lane & 3;
   float* hsm = sm + S::h_off + grp * KP * LDH;
   float* Us = sm + S::u_off + grp * CH * LDH;
   const uint32_t bar0 = smem_u32(sm + S::bar_off);  // fw[b]: bar0 + 8 b, fe[b]: bar0 + 16 + 8 b
-  int* cnt = reinterpret_cast<int*>(sm + S::bar_off + 8);
+  int* cnt = reinterpret_cast<int*>(sm + S::bar_off + 8);  // cnt[0..1]: w buffers, cnt[2..3]: K Eend buffers
+  int* flag = cnt + 4;  // flag[2 g]: the w chunk group g issues next, flag[2 g + 1]: the K Eend chunk
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS + kSf3NarrowBV * grp;
   const int cw = 8 * wc;
   const int V = p.V, HV = p.HV, K = p.K;
@@ -418,55 +423,64 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
   int64_t bos;
   int len;
   seq_bounds(p.cu, n, p.T, bos, len);
-  auto grp_sync = [&]() { asm volatile("bar.sync %0, 256;" ::"r"(1 + grp) : "memory"); };
-  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
-  // chunk c's tiles into buffer c & 1, by one whole warp (lane 0 first announces the bytes)
-  auto issue = [&](int c) {
-    const int b = c & 1;
-    const uint32_t fw = bar0 + 8 * b, fe = bar0 + 16 + 8 * b;
-    if (lane == 0) {
-      mbar_arrive_expect_tx(fw, CH * kRowBytes);
-      mbar_arrive_expect_tx(fe, CH * kRowBytes + kRowBytes);
-    }
-    const float* ws = p.wc + tile(off + c);
-    const float* es = p.kendc + tile(off + c);
-#pragma unroll
-    for (int j = 0; j < CH / 32; ++j) {
-      const int t = lane + 32 * j;
-      bulk_copy(smem_u32(sm + S::w_off + b * CH * LDW + t * LDW), ws + t * KP, kRowBytes, fw);
-      bulk_copy(smem_u32(sm + S::e_off + b * CH * LDE + t * LDE), es + t * KP, kRowBytes, fe);
-    }
-    if (lane == 0)
-      bulk_copy(smem_u32(sm + S::gl_off + b * KP), p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP, kRowBytes, fe);
+  auto grp_sync = [&]() {  // named barrier 1 + grp (immediate ids: ptxas then reserves 3 barriers, not 16)
+    if (grp == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
+    else asm volatile("bar.sync 2, 256;" ::: "memory");
   };
-  // the group (its warps all past chunk cr: behind grp_sync) gives buffer cr & 1 back; the second group to do so
-  // issues chunk cr + 2 into it. Called by the group's warp 0.
-  auto release = [&](int cr) {
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  auto mbar_cpa = [](uint32_t bar) {  // arrives once this thread's earlier cp.async pieces have landed
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+  };
+  // a CH x KP tile of chunk c into its buffer, by one group's 256 threads (8 pieces each)
+  auto issue_w = [&](int c) {
+    const float* src = p.wc + tile(off + c);
+    float* dst = sm + S::w_off + (c & 1) * CH * LDW;
+#pragma unroll
+    for (int j = 0; j < CH * KP / 4 / GT; ++j) {
+      const int i = gt + GT * j, t = i >> 5, col = (i & 31) * 4;
+      cpa16(dst + t * LDW + col, src + t * KP + col);
+    }
+    mbar_cpa(bar0 + 8 * (c & 1));
+  };
+  auto issue_e = [&](int c) {
+    const float* src = p.kendc + tile(off + c);
+    float* dst = sm + S::e_off + (c & 1) * CH * LDE;
+#pragma unroll
+    for (int j = 0; j < CH * KP / 4 / GT; ++j) {
+      const int i = gt + GT * j, t = i >> 5, col = (i & 31) * 4;
+      cpa16(dst + t * LDE + col, src + t * KP + col);
+    }
+    if (gt < KP / 4)
+      cpa16(sm + S::gl_off + (c & 1) * KP + 4 * gt, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * gt);
+    mbar_cpa(bar0 + 16 + 8 * (c & 1));
+  };
+  // lane 0 of the group's warp 0, all the group's warps past their last read of chunk cr's tile of kind k (0: w,
+  // 1: K Eend): the second group to get here has its threads issue chunk cr + 2 after their next barrier
+  auto release = [&](int k, int cr) {
     if (cr + 2 >= nc) return;
-    int old = 0;
-    if (lane == 0) {
-      __threadfence_block();
-      old = atomicAdd(cnt + (cr & 1), 1);  // two releases per use of the buffer: odd counts are the second
-      __threadfence_block();
-    }
-    old = __shfl_sync(0xffffffffu, old, 0);
-    if (old & 1) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      issue(cr + 2);
-    }
+    __threadfence_block();
+    const int old = atomicAdd(cnt + 2 * k + (cr & 1), 1);  // two releases per use: odd counts are the second
+    __threadfence_block();
+    if (old & 1) flag[2 * grp + k] = cr + 2;
   };
 
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar0 + 8 * i, 1);
-    cnt[0] = cnt[1] = 0;
+    for (int i = 0; i < 4; ++i) mbar_init(bar0 + 8 * i, GT);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cnt[i] = i < 4 ? 0 : -1;
     mbar_init_fence();
   }
   __syncthreads();
-  if (warp == 0) {
-    if (nc > 0) issue(0);
-    if (nc > 1) issue(1);
+  if (grp == 0) {  // chunks 0 and 1 by group 0
+    if (nc > 0) {
+      issue_w(0);
+      issue_e(0);
+    }
+    if (nc > 1) {
+      issue_w(1);
+      issue_e(1);
+    }
   }
 
   float hacc[MT][4];
@@ -529,8 +543,9 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
     const float* eb = sm + S::e_off + b * CH * LDE;
     const float* gb = sm + S::gl_off + b * KP;
     mbar_wait_parity(bar0 + 8 * b, par);  // w(c)
-    grp_sync();  // hsm complete; the group's warps all past chunk c - 1
-    if (wg == 0 && c > 0) release(c - 1);
+    grp_sync();  // hsm complete; the group's warps all past chunk c - 1; flag[2 grp] published
+    if (c + 1 < nc && flag[2 * grp] == c + 1) issue_w(c + 1);
+    if (tid % GT == 0 && c > 0) release(1, c - 1);  // K Eend(c - 1), Gam_last(c - 1): read last in chunk c - 1
     store_hs(cid);
     if (c + 1 < nc) load_u(unext, c + 1);
     {  // U = u - w S (=7's chains: even / odd k-steps)
@@ -565,7 +580,9 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
       }
     }
     mbar_wait_parity(bar0 + 16 + 8 * b, par);  // K Eend(c), Gam_last(c)
-    grp_sync();  // Us complete; the group's reads of hsm done
+    grp_sync();  // Us complete; the group's reads of hsm and w(c) done; flag[2 grp + 1] published
+    if (c + 1 < nc && flag[2 * grp + 1] == c + 1) issue_e(c + 1);
+    if (tid % GT == 0) release(0, c);  // w(c)
     {  // S <- Diag(Gam_last) S + (K Eend)^T U
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
