@@ -1,13 +1,14 @@
 #!/bin/bash
 # Session 13 second round, branch sf13: the backward's forward-state recompute on the narrow (=7) warp tiles with
 # shared, prefetched operand tiles. KDA_CUDA_CHUNK_BWD_STATE_FWD=11: state_fwd3s_kernel (two narrow column groups of
-# 8 warps per 32-column block, each with its own named barriers; w / K Eend / Gam_last bulk-copied once per block,
-# double-buffered, a step ahead, handed over through mbarriers and a shared counter; h / U stored tf32-rounded).
+# 8 warps per 32-column block, each with its own named barriers; w / K Eend / Gam_last loaded once per block by
+# cp.async pieces, double-buffered, a step ahead: the second group to release a buffer fills it, readers wait on
+# mbarriers fed by cp.async.mbarrier.arrive.noinc; h / U stored tf32-rounded).
 # =12: state_fwd3w_kernel (=7's warp tiles on 16 warps of one 32-column block, =3's cp.async double buffers). Both
 # keep =7's mma chains on the same tf32 operands: hs and U must be bit for bit =7's. =7 stays the default.
 # Checked without a GPU (nvcc 13.0 sm_90a): kda_chunk_bwd.cu / gdn_chunk_bwd.cu compile; every pre-existing kernel's
 # SASS is main's (all 42 functions of each, encodings included; gdn's grad3_gdn varies build to build, main's too);
-# =11 90 registers, 3 barriers, =12 84, no spills; the hand-off emulated on the CPU (tests/test_cuda_state_fwd11_emu.py:
+# =11 80 registers, 3 barriers, =12 84, no spills; the hand-off emulated on the CPU (tests/test_cuda_state_fwd11_emu.py:
 # random interleavings, catches 4 deliberately broken hand-offs).
 # Assumes the CUDA variant is built and `source benchmarks/cuda/device_env.sh` was done; one H200; writes under
 # $OUT. About 100-140 s in all.

@@ -428,6 +428,18 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
     else asm volatile("bar.sync 2, 256;" ::: "memory");
   };
   auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  // mbar_wait_parity with a bound: a hand-off bug traps (a CUDA error) instead of hanging the GPU (2^26 polls)
+  auto wait_tile = [](uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    for (uint32_t it = 0; !done; ++it) {
+      asm volatile(
+          "{\n\t.reg .pred P1;\n\tmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n\tselp.u32 %0, 1, 0, P1;\n\t}"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+      if (it > (1u << 26)) __trap();
+    }
+  };
   auto mbar_cpa = [](uint32_t bar) {  // arrives once this thread's earlier cp.async pieces have landed
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
   };
@@ -542,7 +554,7 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
     const float* wb = sm + S::w_off + b * CH * LDW;
     const float* eb = sm + S::e_off + b * CH * LDE;
     const float* gb = sm + S::gl_off + b * KP;
-    mbar_wait_parity(bar0 + 8 * b, par);  // w(c)
+    wait_tile(bar0 + 8 * b, par);  // w(c)
     grp_sync();  // hsm complete; the group's warps all past chunk c - 1; flag[2 grp] published
     if (c + 1 < nc && flag[2 * grp] == c + 1) issue_w(c + 1);
     if (tid % GT == 0 && c > 0) release(1, c - 1);  // K Eend(c - 1), Gam_last(c - 1): read last in chunk c - 1
@@ -579,7 +591,7 @@ __global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) 
         if (t < cp.Cc) st_pair(grow, v0 + col, x[0], x[1]);
       }
     }
-    mbar_wait_parity(bar0 + 16 + 8 * b, par);  // K Eend(c), Gam_last(c)
+    wait_tile(bar0 + 16 + 8 * b, par);  // K Eend(c), Gam_last(c)
     grp_sync();  // Us complete; the group's reads of hsm and w(c) done; flag[2 grp + 1] published
     if (c + 1 < nc && flag[2 * grp + 1] == c + 1) issue_e(c + 1);
     if (tid % GT == 0) release(0, c);  // w(c)
