@@ -6,7 +6,9 @@ accumulator layouts and the stores of hs and U, lane by lane in float64. Checks 
 of DESIGN.md section 3 and that the fragment reads of every warp are free of shared-memory bank conflicts. Runs
 without a GPU; tests/test_cuda_chunk_bwd.py checks the CUDA code itself. Both instances: the default (BV = 32 value
 columns per block, double buffers) and the narrow one of KDA_CUDA_CHUNK_BWD_STATE_FWD=7 (BV = 16, NTW = 1 tile of 8
-columns per warp, single buffers, w(c + 1) issued after chunk c's U, K Eend(c) at the start of chunk c).
+columns per warp, single buffers, w(c + 1) issued after chunk c's U, K Eend(c) at the start of chunk c); and the
+wide-block one of =12 (session 13: BV = 32, double buffers, NW = 16 warps of the narrow warp tile, 4 column warps;
+LDH 40). The shared-operand instance of =11 is two narrow groups (its hand-off: test_cuda_state_fwd11_emu.py).
 """
 import numpy as np
 import pytest
@@ -38,9 +40,11 @@ def banks_ok(addrs):
     return all(len(set(addrs[(addrs % 32) == b])) <= 1 for b in range(32))
 
 
-def emulate(w, kend, gl, u, h0, BV=32, DB=True):
-    """w, kend [nc][CH][KP], gl [nc][KP], u [nc][CH][BV], h0 [KP][BV] -> hs [nc][KP][BV], U [nc][CH][BV]."""
-    VS, LDH, NTW, NB = BV, BV + 8, BV // 16, 2 if DB else 1
+def emulate(w, kend, gl, u, h0, BV=32, DB=True, NW=8):
+    """w, kend [nc][CH][KP], gl [nc][KP], u [nc][CH][BV], h0 [KP][BV] -> hs [nc][KP][BV], U [nc][CH][BV]. NW = 16:
+    the wide-block instance of KDA_CUDA_CHUNK_BWD_STATE_FWD=12 (16 warps, 4 column warps of 8 columns)."""
+    WC = NW // 4
+    VS, LDH, NTW, NB = BV, BV + 8, BV // (8 * WC), 2 if DB else 1
     nc = w.shape[0]
     wsm = np.full((NB, CH * LDW), np.nan)
     esm = np.full((NB, CH * LDE), np.nan)
@@ -62,9 +66,9 @@ def emulate(w, kend, gl, u, h0, BV=32, DB=True):
 
     # hacc[warp][mt][nt] [32][4]: row 32 wi + 16 mt + gq + 8 (e >> 1), column 16 wc + 8 nt + 2 t4 + (e & 1)
     rows = lambda wi, mt, e: 32 * wi + 16 * mt + GQ + 8 * (e >> 1)
-    cols = lambda wc, nt, e: (BV // 2) * wc + 8 * nt + 2 * T4 + (e & 1)
+    cols = lambda wc, nt, e: 8 * NTW * wc + 8 * nt + 2 * T4 + (e & 1)
     hacc = {(wi, wc, mt, nt): np.stack([h0[rows(wi, mt, e), cols(wc, nt, e)] for e in range(4)], 1)
-            for wi in range(4) for wc in range(2) for mt in range(2) for nt in range(NTW)}
+            for wi in range(4) for wc in range(WC) for mt in range(2) for nt in range(NTW)}
 
     def put_h():
         for (wi, wc, mt, nt), x in hacc.items():
@@ -89,9 +93,9 @@ def emulate(w, kend, gl, u, h0, BV=32, DB=True):
         for (wi, wc, mt, nt), x in hacc.items():
             for e in range(4):
                 hs[c, rows(wi, mt, e), cols(wc, nt, e)] = x[:, e]
-        for warp in range(8):  # U = u - w S
+        for warp in range(NW):  # U = u - w S
             wi, wc = warp & 3, warp >> 2
-            cw = (BV // 2) * wc
+            cw = 8 * NTW * wc
             acc = [np.zeros((32, 4)) for _ in range(NTW)]
             for ks in range(KP // 8):
                 base = (16 * wi + GQ) * LDW + T4 + 8 * ks
@@ -114,9 +118,9 @@ def emulate(w, kend, gl, u, h0, BV=32, DB=True):
             issue_w(c + 2)
         if not DB and c + 1 < nc:
             issue_w(c + 1)
-        for warp in range(8):  # S <- Diag(gl) S + (K Eend)^T U
+        for warp in range(NW):  # S <- Diag(gl) S + (K Eend)^T U
             wi, wc = warp & 3, warp >> 2
-            cw = (BV // 2) * wc
+            cw = 8 * NTW * wc
             for mt in range(2):
                 for nt in range(NTW):
                     x = hacc[(wi, wc, mt, nt)]
@@ -139,9 +143,9 @@ def emulate(w, kend, gl, u, h0, BV=32, DB=True):
     return hs, U
 
 
-@pytest.mark.parametrize("BV,DB", [(32, True), (16, False)], ids=["default", "narrow"])
+@pytest.mark.parametrize("BV,DB,NW", [(32, True, 8), (16, False, 8), (32, True, 16)], ids=["default", "narrow", "wide"])
 @pytest.mark.parametrize("nc", [0, 1, 2, 5])
-def test_state_fwd3_index_math(nc, BV, DB):
+def test_state_fwd3_index_math(nc, BV, DB, NW):
     VS = BV
     rng = np.random.default_rng(nc)
     w = rng.standard_normal((nc, CH, KP)) * 0.1
@@ -149,7 +153,7 @@ def test_state_fwd3_index_math(nc, BV, DB):
     gl = rng.uniform(0.5, 1.0, (nc, KP))
     u = rng.standard_normal((nc, CH, VS))
     h0 = rng.standard_normal((KP, VS))
-    hs, U = emulate(w, kend, gl, u, h0, BV, DB)
+    hs, U = emulate(w, kend, gl, u, h0, BV, DB, NW)
     S = h0.copy()
     for c in range(nc):
         assert np.allclose(hs[c], S, atol=1e-12), c

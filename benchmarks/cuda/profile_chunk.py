@@ -64,7 +64,10 @@ KNOB_SWEEPS = [
      "refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
      "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
-     "default for bf16/fp16 inputs (4, state_fwd3 tf32 with 32 columns, and 5: retired, refused)"),
+     "default for bf16/fp16 inputs, 11 state_fwd3 shared-operand (two narrow column groups per block sharing "
+     "bulk-copied double-buffered operand tiles; session 13, bit for bit 7's), 12 state_fwd3 wide-block (7's warp "
+     "tiles on 16 warps of a 32-column block, cp.async double buffers; session 13, bit for bit 7's) (4, state_fwd3 "
+     "tf32 with 32 columns, 5, and 8 / 9 / 10, state_fwd on bf16 operands: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs, 10 it with bf16 operands (m16n8k16 with 16-byte A-operand reads; session 12; 9, the same "

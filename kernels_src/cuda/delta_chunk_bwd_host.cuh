@@ -118,7 +118,11 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 8, "state_fwd_bf16_kernel (bf16 operands, U plain bf16)", 13);
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 9, "state_fwd_bf16_kernel (bf16 operands, U as hi + lo)", 13);
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 10, "state_fwd_bf16_kernel (U and K Eend as hi + lo)", 13);
-    c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 7, {7, 3, 2});
+    // Session 13, opt-in, both bit-identical to 7 (same warp tiles, mma chains and tf32 operands): 11 =
+    // state_fwd3 shared-operand (two narrow column groups per block, each with its own barriers, sharing
+    // double-buffered w / K Eend tiles: half the L2 reads, operands a step ahead; sm_90+, else 7), 12 = state_fwd3
+    // wide-block (=7's warp tiles on 16 warps of one 32-column block, =3's cp.async double buffers).
+    c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 7, {7, 3, 2, 11, 12});
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
@@ -227,7 +231,7 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
 
 // The one-call backward and the staged one run only on devices with kGradSmem of shared memory per block
 // (smem_optin checks in chunk_bwd_run / chunk_bwd_stage); the tensor-core state kernels need no check of their own.
-static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
+static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateFwd3sSmem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
               "a state kernel needs more shared memory than the device check in chunk_bwd_run guarantees");
 
 // Stage state_fwd: the chunk-start states from initial_state (p.h0).
@@ -238,13 +242,24 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
   if (s.N <= 0 || s.HV <= 0) return;
   const dim3 gseq(s.N, s.HV, (s.V + cb::VS - 1) / cb::VS);
   const int64_t mode = bwd_cfg(work, kCfgStateFwd);
-  if (mode == 7 && p.in_dtype != kF32) {
+  if ((mode == 7 || (mode == 11 && cc_major() < 9)) && p.in_dtype != kF32) {
     // state_fwd3 narrow (KDA_CUDA_CHUNK_BWD_STATE_FWD=7): 16 columns per block, 87.5 KB, two blocks per SM
     constexpr int bv = cb::kSf3NarrowBV;
     auto kern = cb::state_fwd3_kernel<PC, false, bv, false>;
     allow_dynamic_smem(kern, cb::kStateFwd3NarrowSmem, /*max_carveout=*/true);
     const dim3 gnar(s.N, s.HV, (s.V + bv - 1) / bv);
     kern<<<gnar, cb::kSf3Threads, cb::kStateFwd3NarrowSmem, st>>>(p);
+  } else if (mode == 11 && p.in_dtype != kF32 && cc_major() >= 9) {
+    // state_fwd3 shared-operand (=11): two narrow column groups per block sharing double-buffered operand tiles
+    // (cp.async tracked by mbarriers); 171 KB, one block per SM, sm_90+ (elsewhere =11 runs =7 below)
+    auto kern = cb::state_fwd3s_kernel<PC>;
+    allow_dynamic_smem(kern, cb::kStateFwd3sSmem);
+    kern<<<gseq, cb::kSf3sThreads, cb::kStateFwd3sSmem, st>>>(p);
+  } else if (mode == 12 && p.in_dtype != kF32) {
+    // state_fwd3 wide-block (=12): =7's warp tiles on 16 warps of one 32-column block, cp.async double buffers
+    auto kern = cb::state_fwd3w_kernel<PC>;
+    allow_dynamic_smem(kern, cb::kStateFwd3Smem);
+    kern<<<gseq, cb::kSf3WideThreads, cb::kStateFwd3Smem, st>>>(p);
   } else if (mode == 3 && p.in_dtype != kF32) {
     // state_fwd3 3xTF32 (delta_chunk_bwd_state_fwd3.cuh): tensor cores, bf16/fp16 inputs, 165 KB of shared memory
     // per block (within kGradSmem, which every chunked backward checks the device for before its first stage)

@@ -61,11 +61,14 @@ constexpr int kSf3NarrowBV = 16;
 constexpr size_t kStateFwd3NarrowSmem = StateFwd3SmemT<kSf3NarrowBV, false>::bytes;
 static_assert(kStateFwd3Smem == 168960 && kStateFwd3NarrowSmem == 87552, "state_fwd3 shared memory changed");
 static_assert(2 * (kStateFwd3NarrowSmem + 1024) <= 228 * 1024, "two narrow state_fwd3 blocks must fit per SM");
+// The wide-block instance (KDA_CUDA_CHUNK_BWD_STATE_FWD=11, session 13): 32 columns, 16 warps of the narrow one's
+// warp tile, double buffers (the 32-column layout, 168,960 bytes), one block per SM.
+constexpr int kSf3WideThreads = 512;
 
 // A padded CH x KP chunk tile (global row stride KP) into shared rows of stride LD.
-template <int LD>
+template <int LD, int NT = kSf3Threads>
 __device__ __forceinline__ void sf3_ktile(float* dst, const float* src) {
-  for (int i = threadIdx.x; i < CH * (KP / 4); i += kSf3Threads) {
+  for (int i = threadIdx.x; i < CH * (KP / 4); i += NT) {
     const int t = i / (KP / 4), c = (i % (KP / 4)) * 4;
     cpa16(dst + t * LD + c, src + t * KP + c);
   }
@@ -86,9 +89,12 @@ struct Sf3A {
   }
 };
 
-template <bool PRECISE>
+// BR: b0 / b1 are tf32 already (rounded when stored to shared memory; cvt.rna of a tf32 value is the value, so
+// the mma sees the same bits as with BR false).
+template <bool PRECISE, bool BR = false>
 __device__ __forceinline__ void sf3_mma(float* c, float* e, const Sf3A<PRECISE>& a, float b0, float b1) {
-  const uint32_t bh0 = to_tf32(b0), bh1 = to_tf32(b1);
+  static_assert(!(PRECISE && BR), "sf3_mma: the 3xTF32 split needs the unrounded B");
+  const uint32_t bh0 = BR ? __float_as_uint(b0) : to_tf32(b0), bh1 = BR ? __float_as_uint(b1) : to_tf32(b1);
   if constexpr (PRECISE) {
     const uint32_t bl0 = to_tf32(b0 - __uint_as_float(bh0)), bl1 = to_tf32(b1 - __uint_as_float(bh1));
     mma_tf32_raw(e, a.l[0], a.l[1], a.l[2], a.l[3], bh0, bh1);
@@ -103,12 +109,22 @@ __device__ __forceinline__ void sf3_mma(float* c, float* e, const Sf3A<PRECISE>&
 // and Gam_last(c) at the start of chunk c (every warp past chunk c - 1's state update), so each has about half a
 // chunk step to land, and the SM's other block fills the wait. Every block reads the chunk's w and K Eend tiles
 // whole, so the narrow grid moves twice their L2 traffic.
-template <bool PC, bool PRECISE, int BV = VS, bool DB = true>
-__global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Params p) {
-  static_assert((BV == 32 && DB) || (BV == 16 && !DB), "state_fwd3: BV = 32 double-buffered or BV = 16 single");
+// NW = 16 (the wide-block instance, KDA_CUDA_CHUNK_BWD_STATE_FWD=11; BV = 32, DB): 16 warps, w = 4 wc + wi with
+// wc = 0..3, each with the narrow instance's warp tile (U rows 16 wi.., state rows 32 wi.., 8 columns 8 wc..), so
+// every output element comes from the same mma chain on the same tf32 operands as under =7 (bit-identical); but
+// with =3's double buffers (operands issued a step and a half ahead), half the grid (one block per SM, 128 blocks
+// at B1 HV32 V128) and half the L2 -> SM traffic of =7. h and U go into shared memory rounded to tf32 once (RB),
+// so their B fragments (read by the 4 warps of a column group) need no cvt.
+// (The body is a device function so that the kernels of =7 / =3 keep their names and code.)
+template <bool PC, bool PRECISE, int BV, bool DB, int NW>
+__device__ __forceinline__ void state_fwd3_body(const Params& p) {
+  static_assert((BV == 32 && DB && NW == 8) || (BV == 16 && !DB && NW == 8) || (BV == 32 && DB && NW == 16 && !PRECISE),
+                "state_fwd3: BV = 32 double-buffered, BV = 16 single, or the 16-warp tf32 BV = 32");
   using S = StateFwd3SmemT<BV, DB>;
+  constexpr int NT = NW * 32;
+  constexpr bool RB = NW == 16;  // h, U stored tf32-rounded
   constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = S::LDH;
-  constexpr int NTW = BV / 16;  // 8-column tiles per warp (BV / 2 columns)
+  constexpr int NTW = BV / (2 * NW);  // 8-column tiles per warp (NW = 8: BV / 2 columns; NW = 16: 8 columns)
   constexpr int MT = 2;   // 16-row tiles of the state per warp (32 rows)
   extern __shared__ __align__(16) float sm[];
   float* hsm = sm + S::h_off;
@@ -116,7 +132,7 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
   const int gq = lane >> 2, t4 = lane & 3;
-  const int cw = (BV / 2) * wc;  // the warp's first column in the block's tile
+  const int cw = 8 * NTW * wc;  // the warp's first column in the block's tile
   const int K = p.K, V = p.V, HV = p.HV;
   const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
   const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
@@ -144,8 +160,12 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int r = 32 * wi + 16 * mt + gq + 8 * hr;
-          *reinterpret_cast<float2*>(hsm + r * LDH + cw + 8 * nt + 2 * t4) =
-              make_float2(hacc[mt][nt][2 * hr], hacc[mt][nt][2 * hr + 1]);
+          float x0 = hacc[mt][nt][2 * hr], x1 = hacc[mt][nt][2 * hr + 1];
+          if constexpr (RB) {
+            x0 = __uint_as_float(to_tf32(x0));
+            x1 = __uint_as_float(to_tf32(x1));
+          }
+          *reinterpret_cast<float2*>(hsm + r * LDH + cw + 8 * nt + 2 * t4) = make_float2(x0, x1);
         }
   };
   // a (row, column pair) of a [*, V] fp32 buffer: float2 when V is even (8-byte aligned), else per element
@@ -189,9 +209,9 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
   };
   auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
   auto bsel = [](int c) { return DB ? (c & 1) : 0; };  // the buffer of chunk c
-  auto issue_w = [&](int c) { sf3_ktile<LDW>(sm + S::w_off + bsel(c) * CH * LDW, p.wc + tile(off + c)); };
+  auto issue_w = [&](int c) { sf3_ktile<LDW, NT>(sm + S::w_off + bsel(c) * CH * LDW, p.wc + tile(off + c)); };
   auto issue_e = [&](int c) {
-    sf3_ktile<LDE>(sm + S::e_off + bsel(c) * CH * LDE, p.kendc + tile(off + c));
+    sf3_ktile<LDE, NT>(sm + S::e_off + bsel(c) * CH * LDE, p.kendc + tile(off + c));
     if (tid < KP / 4)
       cpa16(sm + S::gl_off + bsel(c) * KP + 4 * tid, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * tid);
   };
@@ -245,7 +265,7 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
         const float* hb = hsm + (8 * ks + t4) * LDH + cw + gq;
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt)
-          sf3_mma<PRECISE>(acc[ks & 1][nt], cor[ks & 1][nt], a, hb[8 * nt], hb[4 * LDH + 8 * nt]);
+          sf3_mma<PRECISE, RB>(acc[ks & 1][nt], cor[ks & 1][nt], a, hb[8 * nt], hb[4 * LDH + 8 * nt]);
       }
       const ChunkPos cp = seq_chunk(n, c, bos, len);
 #pragma unroll
@@ -263,7 +283,12 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
             x[j] = ucur[nt][e] - s;
           }
           const int col = cw + 8 * nt + 2 * t4;
-          *reinterpret_cast<float2*>(Us + t * LDH + col) = make_float2(x[0], x[1]);
+          if constexpr (RB) {
+            *reinterpret_cast<float2*>(Us + t * LDH + col) =
+                make_float2(__uint_as_float(to_tf32(x[0])), __uint_as_float(to_tf32(x[1])));
+          } else {
+            *reinterpret_cast<float2*>(Us + t * LDH + col) = make_float2(x[0], x[1]);
+          }
           if (t < cp.Cc) st_pair(grow, v0 + col, x[0], x[1]);
         }
       }
@@ -308,7 +333,7 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
           const float* e0 = ek + 16 * mt;
           const Sf3A<PRECISE> a(make_float4(e0[0], e0[8], e0[4 * LDE], e0[4 * LDE + 8]));
 #pragma unroll
-          for (int nt = 0; nt < NTW; ++nt) sf3_mma<PRECISE>(hacc[mt][nt], cor[mt][nt], a, b[nt][0], b[nt][1]);
+          for (int nt = 0; nt < NTW; ++nt) sf3_mma<PRECISE, RB>(hacc[mt][nt], cor[mt][nt], a, b[nt][0], b[nt][1]);
         }
       }
       if constexpr (PRECISE) {
@@ -326,6 +351,278 @@ __global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Par
 #pragma unroll
       for (int e = 0; e < 4; ++e) ucur[nt][e] = unext[nt][e];
   }
+}
+
+template <bool PC, bool PRECISE, int BV = VS, bool DB = true>
+__global__ void __launch_bounds__(kSf3Threads, DB ? 1 : 2) state_fwd3_kernel(Params p) {
+  state_fwd3_body<PC, PRECISE, BV, DB, 8>(p);
+}
+
+// KDA_CUDA_CHUNK_BWD_STATE_FWD=11: the wide-block instance (NW = 16 above)
+template <bool PC>
+__global__ void __launch_bounds__(kSf3WideThreads, 1) state_fwd3w_kernel(Params p) {
+  state_fwd3_body<PC, false, VS, true, 16>(p);
+}
+
+// ---- state_fwd3 shared-operand (KDA_CUDA_CHUNK_BWD_STATE_FWD=11, session 13) ----
+// One block of 16 warps per (sequence, value head, 32 columns) = two column groups of 8 warps (warps 0..7: columns
+// v0 .. v0 + 15, warps 8..15: v0 + 16 .. v0 + 31), each group exactly a narrow (=7) block: its own h / U tiles
+// (LDH 24), its own named barrier (1 + group) for its two barriers per chunk step, the narrow warp tiles and
+// fragment reads, so every output element comes from the same mma chain on the same tf32 operands as under =7
+// (bit-identical). The groups share the chunk's w, K Eend and Gam_last tiles, double-buffered: a block moves half
+// the L2 -> SM bytes of two narrow blocks, and each tile is issued a whole chunk step ahead of its first read
+// (=7: about half a step, exposed every step). Hand-off, per tile kind (w; K Eend with Gam_last) and buffer: a
+// group gives the buffer of chunk c back once all its warps are past their last read (w: its second barrier of
+// chunk c; K Eend: its first barrier of chunk c + 1) -- warp 0's lane 0 counts the release in a shared counter;
+// the second group to release (odd count) then issues chunk c + 2 into the buffer with its 256 threads (16-byte
+// cp.async pieces, as =7, each thread then cp.async.mbarrier.arrive.noinc on the tile's mbarrier, count 256) right
+// after its next barrier (which publishes the decision to the group). Readers wait on the mbarrier's phase
+// ((c >> 1) & 1) before the barrier in front of their first read. So the groups meet only there, and, as two
+// narrow blocks on an SM, one can run while the other waits at its barrier. (Row-wise bulk copies, 129 per chunk
+// step, were session 9's state_fwd4: slower.) h and U go into shared memory rounded to tf32 once (as the =7
+// fragment reads round them: cvt.rna of a tf32 value is the value), so their B fragments need no cvt.
+// 175,168 bytes of shared memory, one block per SM.
+constexpr int kSf3sThreads = 512;
+struct StateFwd3sSmem {
+  static constexpr int LDH = sf3_ldh<kSf3NarrowBV>();
+  static constexpr size_t w_off = 0;                           // 2 x [CH][kSf3LdW]
+  static constexpr size_t e_off = w_off + 2 * CH * kSf3LdW;    // 2 x [CH][kSf3LdE]
+  static constexpr size_t gl_off = e_off + 2 * CH * kSf3LdE;   // 2 x [KP]
+  static constexpr size_t h_off = gl_off + 2 * KP;             // 2 groups x [KP][LDH]
+  static constexpr size_t u_off = h_off + 2 * KP * LDH;        // 2 groups x [CH][LDH]
+  // mbarriers fw[2], fe[2] (8 bytes each); int counters cw[2], ce[2]; int flags fw[group], fe[group]
+  static constexpr size_t bar_off = u_off + 2 * CH * LDH;
+  static constexpr size_t bytes = bar_off * sizeof(float) + 4 * 8 + 8 * 4;
+};
+constexpr size_t kStateFwd3sSmem = StateFwd3sSmem::bytes;
+static_assert(kStateFwd3sSmem == 175168 && kStateFwd3sSmem <= 227 * 1024, "state_fwd3s shared memory changed");
+static_assert((StateFwd3sSmem::bar_off * sizeof(float)) % 16 == 0 && StateFwd3sSmem::e_off % 4 == 0 &&
+              StateFwd3sSmem::gl_off % 4 == 0, "16-byte aligned cp.async pieces, 8-byte aligned mbarriers");
+
+template <bool PC>
+__global__ void __launch_bounds__(kSf3sThreads, 1) state_fwd3s_kernel(Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using S = StateFwd3sSmem;
+  constexpr int LDW = kSf3LdW, LDE = kSf3LdE, LDH = S::LDH;
+  constexpr int MT = 2;
+  constexpr int GT = kSf3sThreads / 2;  // threads per group
+  extern __shared__ __align__(16) float sm[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, grp = warp >> 3, wg = warp & 7, gt = tid & (GT - 1);
+  const int wi = wg & 3, wc = wg >> 2, gq = lane >> 2, t4 = lane & 3;
+  float* hsm = sm + S::h_off + grp * KP * LDH;
+  float* Us = sm + S::u_off + grp * CH * LDH;
+  const uint32_t bar0 = smem_u32(sm + S::bar_off);  // fw[b]: bar0 + 8 b, fe[b]: bar0 + 16 + 8 b
+  int* cnt = reinterpret_cast<int*>(sm + S::bar_off + 8);  // cnt[0..1]: w buffers, cnt[2..3]: K Eend buffers
+  int* flag = cnt + 4;  // flag[2 g]: the w chunk group g issues next, flag[2 g + 1]: the K Eend chunk
+  const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS + kSf3NarrowBV * grp;
+  const int cw = 8 * wc;
+  const int V = p.V, HV = p.HV, K = p.K;
+  const int64_t nbase = (static_cast<int64_t>(n) * HV + hv) * K * V;
+  const int nc = p.chunk_off[n + 1] - p.chunk_off[n];
+  const int off = p.chunk_off[n];
+  int64_t bos;
+  int len;
+  seq_bounds(p.cu, n, p.T, bos, len);
+  auto grp_sync = [&]() {  // named barrier 1 + grp (immediate ids: ptxas then reserves 3 barriers, not 16)
+    if (grp == 0) asm volatile("bar.sync 1, 256;" ::: "memory");
+    else asm volatile("bar.sync 2, 256;" ::: "memory");
+  };
+  auto tile = [&](int cid) { return (static_cast<size_t>(cid) * HV + hv) * CH * KP; };
+  // mbar_wait_parity with a bound: a hand-off bug traps (a CUDA error) instead of hanging the GPU (2^26 polls)
+  auto wait_tile = [](uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    for (uint32_t it = 0; !done; ++it) {
+      asm volatile(
+          "{\n\t.reg .pred P1;\n\tmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\n\tselp.u32 %0, 1, 0, P1;\n\t}"
+          : "=r"(done)
+          : "r"(bar), "r"(parity)
+          : "memory");
+      if (it > (1u << 26)) __trap();
+    }
+  };
+  auto mbar_cpa = [](uint32_t bar) {  // arrives once this thread's earlier cp.async pieces have landed
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+  };
+  // a CH x KP tile of chunk c into its buffer, by one group's 256 threads (8 pieces each)
+  auto issue_w = [&](int c) {
+    const float* src = p.wc + tile(off + c);
+    float* dst = sm + S::w_off + (c & 1) * CH * LDW;
+#pragma unroll
+    for (int j = 0; j < CH * KP / 4 / GT; ++j) {
+      const int i = gt + GT * j, t = i >> 5, col = (i & 31) * 4;
+      cpa16(dst + t * LDW + col, src + t * KP + col);
+    }
+    mbar_cpa(bar0 + 8 * (c & 1));
+  };
+  auto issue_e = [&](int c) {
+    const float* src = p.kendc + tile(off + c);
+    float* dst = sm + S::e_off + (c & 1) * CH * LDE;
+#pragma unroll
+    for (int j = 0; j < CH * KP / 4 / GT; ++j) {
+      const int i = gt + GT * j, t = i >> 5, col = (i & 31) * 4;
+      cpa16(dst + t * LDE + col, src + t * KP + col);
+    }
+    if (gt < KP / 4)
+      cpa16(sm + S::gl_off + (c & 1) * KP + 4 * gt, p.glc + (static_cast<size_t>(off + c) * HV + hv) * KP + 4 * gt);
+    mbar_cpa(bar0 + 16 + 8 * (c & 1));
+  };
+  // lane 0 of the group's warp 0, all the group's warps past their last read of chunk cr's tile of kind k (0: w,
+  // 1: K Eend): the second group to get here has its threads issue chunk cr + 2 after their next barrier
+  auto release = [&](int k, int cr) {
+    if (cr + 2 >= nc) return;
+    __threadfence_block();
+    const int old = atomicAdd(cnt + 2 * k + (cr & 1), 1);  // two releases per use: odd counts are the second
+    __threadfence_block();
+    if (old & 1) flag[2 * grp + k] = cr + 2;
+  };
+
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_init(bar0 + 8 * i, GT);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cnt[i] = i < 4 ? 0 : -1;
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (grp == 0) {  // chunks 0 and 1 by group 0
+    if (nc > 0) {
+      issue_w(0);
+      issue_e(0);
+    }
+    if (nc > 1) {
+      issue_w(1);
+      issue_e(1);
+    }
+  }
+
+  float hacc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 32 * wi + 16 * mt + gq + 8 * (e >> 1), col = v0 + cw + 2 * t4 + (e & 1);
+      hacc[mt][e] = (p.h0 != nullptr && r < K && col < V) ? p.h0[nbase + static_cast<int64_t>(r) * V + col] : 0.f;
+    }
+  auto put_h = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 32 * wi + 16 * mt + gq + 8 * hr;
+        *reinterpret_cast<float2*>(hsm + r * LDH + cw + 2 * t4) =
+            make_float2(__uint_as_float(to_tf32(hacc[mt][2 * hr])), __uint_as_float(to_tf32(hacc[mt][2 * hr + 1])));
+      }
+  };
+  auto st_pair = [&](float* row, int col, float x0, float x1) {
+    if ((V & 1) == 0 && col + 1 < V) {
+      *reinterpret_cast<float2*>(row + col) = make_float2(x0, x1);
+    } else {
+      if (col < V) row[col] = x0;
+      if (col + 1 < V) row[col + 1] = x1;
+    }
+  };
+  auto store_hs = [&](int cid) {
+    float* dst = p.hs + (static_cast<size_t>(cid) * HV + hv) * K * V;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 32 * wi + 16 * mt + gq + 8 * hr;
+        if (r < K) st_pair(dst + static_cast<int64_t>(r) * V, v0 + cw + 2 * t4, hacc[mt][2 * hr], hacc[mt][2 * hr + 1]);
+      }
+  };
+  auto load_u = [&](float (&x)[4], int c) {
+    const ChunkPos cp = seq_chunk(n, c, bos, len);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int t = 16 * wi + gq + 8 * hr;
+      const float* row = p.u + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = v0 + cw + 2 * t4 + j;
+        x[2 * hr + j] = (t < cp.Cc && col < V) ? __ldg(row + col) : 0.f;
+      }
+    }
+  };
+
+  put_h();
+  float ucur[4] = {}, unext[4] = {};
+  if (nc > 0) load_u(ucur, 0);
+  for (int c = 0; c < nc; ++c) {
+    const int cid = off + c, b = c & 1;
+    const uint32_t par = (c >> 1) & 1;
+    const float* wb = sm + S::w_off + b * CH * LDW;
+    const float* eb = sm + S::e_off + b * CH * LDE;
+    const float* gb = sm + S::gl_off + b * KP;
+    wait_tile(bar0 + 8 * b, par);  // w(c)
+    grp_sync();  // hsm complete; the group's warps all past chunk c - 1; flag[2 grp] published
+    if (c + 1 < nc && flag[2 * grp] == c + 1) issue_w(c + 1);
+    if (tid % GT == 0 && c > 0) release(1, c - 1);  // K Eend(c - 1), Gam_last(c - 1): read last in chunk c - 1
+    store_hs(cid);
+    if (c + 1 < nc) load_u(unext, c + 1);
+    {  // U = u - w S (=7's chains: even / odd k-steps)
+      float acc[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+      const float* wr = wb + (16 * wi + gq) * LDW + t4;
+      const float* hb = hsm + t4 * LDH + cw + gq;
+#pragma unroll
+      for (int ks = 0; ks < KP / 8; ++ks) {
+        const Sf3A<false> a(make_float4(wr[8 * ks], wr[8 * LDW + 8 * ks], wr[8 * ks + 4], wr[8 * LDW + 8 * ks + 4]));
+        float dummy[4];
+        sf3_mma<false, true>(acc[ks & 1], dummy, a, hb[8 * ks * LDH], hb[(8 * ks + 4) * LDH]);
+      }
+      const ChunkPos cp = seq_chunk(n, c, bos, len);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int t = 16 * wi + gq + 8 * hr;
+        float* grow = p.U + ((cp.row0 + t) * HV + hv) * static_cast<int64_t>(V);
+        float x[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = 2 * hr + j;
+          x[j] = ucur[e] - (acc[0][e] + acc[1][e]);
+        }
+        const int col = cw + 2 * t4;
+        *reinterpret_cast<float2*>(Us + t * LDH + col) =
+            make_float2(__uint_as_float(to_tf32(x[0])), __uint_as_float(to_tf32(x[1])));
+        if (t < cp.Cc) st_pair(grow, v0 + col, x[0], x[1]);
+      }
+    }
+    wait_tile(bar0 + 16 + 8 * b, par);  // K Eend(c), Gam_last(c)
+    grp_sync();  // Us complete; the group's reads of hsm and w(c) done; flag[2 grp + 1] published
+    if (c + 1 < nc && flag[2 * grp + 1] == c + 1) issue_e(c + 1);
+    if (tid % GT == 0) release(0, c);  // w(c)
+    {  // S <- Diag(Gam_last) S + (K Eend)^T U
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const float d0 = gb[32 * wi + 16 * mt + gq], d1 = gb[32 * wi + 16 * mt + gq + 8];
+        hacc[mt][0] *= d0;
+        hacc[mt][1] *= d0;
+        hacc[mt][2] *= d1;
+        hacc[mt][3] *= d1;
+      }
+      const float* er = eb + t4 * LDE + 32 * wi + gq;
+#pragma unroll
+      for (int ks = 0; ks < CH / 8; ++ks) {
+        const float b0 = Us[(8 * ks + t4) * LDH + cw + gq], b1 = Us[(8 * ks + t4 + 4) * LDH + cw + gq];
+        const float* ek = er + 8 * ks * LDE;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const float* e0 = ek + 16 * mt;
+          const Sf3A<false> a(make_float4(e0[0], e0[8], e0[4 * LDE], e0[4 * LDE + 8]));
+          float dummy[4];
+          sf3_mma<false, true>(hacc[mt], dummy, a, b0, b1);
+        }
+      }
+    }
+    put_h();  // (hsm was last read in chunk c's U, before the barrier above)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ucur[e] = unext[e];
+  }
+#endif  // __CUDA_ARCH__ >= 900
 }
 
 }  // namespace chunk_bwd
