@@ -127,12 +127,14 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // fp32 inputs), 10 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS, 16-byte A-operand
     // reads; session 12, delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in: 0.747 vs 0.850 ms at B1 T8192 H16 HV32 on the
     // H200, but ~10x the dbeta / dh0 error, within DESIGN.md section 6). Retired in session 12: 9, the same with
-    // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10).
+    // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10). 11 = state_bwd3f, =4 with its
+    // operands rounded to tf32 once where written and 3 barriers per chunk instead of 4 (session 13, opt-in;
+    // the same mma on the same operands: dhs, dU, dh0 equal =4's bit for bit).
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 9,
                    "state_bwd3_bf16_kernel with 4-byte fragment reads (=10 is the same numerics, faster)", 12);
-    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 2});
+    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 11, 2});
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -224,7 +226,8 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
 
 // The one-call backward and the staged one run only on devices with kGradSmem of shared memory per block
 // (smem_optin checks in chunk_bwd_run / chunk_bwd_stage); the tensor-core state kernels need no check of their own.
-static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
+static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem &&
+                  chunk_bwd::kStateBwd3fSmem <= chunk_bwd::kGradSmem,
               "a state kernel needs more shared memory than the device check in chunk_bwd_run guarantees");
 
 // Stage state_fwd: the chunk-start states from initial_state (p.h0).
@@ -273,6 +276,10 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if (mode == 11 && p.in_dtype != kF32) {
+    // state_bwd3f: =4's products on operands rounded once (225 KB of shared memory, within kGradSmem)
+    allow_dynamic_smem(cb::state_bwd3f_kernel<PC>, cb::kStateBwd3fSmem);
+    cb::state_bwd3f_kernel<PC><<<gseq, cb::kSb3Threads, cb::kStateBwd3fSmem, st>>>(p);
   } else if (mode == 10 && p.in_dtype != kF32) {
     // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid
     launch_state_bwd3_bf16<PC>(p, gseq, st);
