@@ -1,7 +1,9 @@
-"""state_bwd3f (KDA_CUDA_CHUNK_BWD_STATE_BWD=11; kernels_src/cuda/delta_chunk_bwd_state_bwd3.cuh; session 13, off
-by default): the default state_bwd3 tf32 (=4) with its operands rounded to tf32 once where they are written and 3
-barriers per chunk step instead of 4. It issues the same mma on the same tf32 operands into the same accumulators
-in the same order, so its outputs must EQUAL =4's bit for bit (torch.equal):
+"""state_bwd3f (KDA_CUDA_CHUNK_BWD_STATE_BWD=11 and 12; kernels_src/cuda/delta_chunk_bwd_state_bwd3.cuh; session 13,
+off by default): the default state_bwd3 tf32 (=4) with its operands rounded to tf32 once where they are written and 3
+barriers per chunk step instead of 4; 11 also permutes the warp's dS rows inside the m16 tiles (8-byte A reads), 12
+reads every fragment from =4's addresses. Both issue the same mma on the same tf32 operands into the same
+accumulator chains, so their outputs must EQUAL =4's bit for bit (torch.equal; for 11 this also assumes that an
+mma's result for an output row does not depend on the row's slot in the tile -- 12 does not need that):
   - the state_bwd stage's own outputs (staged op, V <= 128): dh0, and from the work list dU [tokens, HV, V] and dhs
     [chunks, HV, K, V] (the rows of real chunks);
   - all six gradients of the one-call backward (V > 128 runs column blocks through it; the kernels after state_bwd
@@ -28,6 +30,7 @@ from test_cuda_chunk_bwd import CASES, GVA_CASES, WY2_CASES, _run, bwd_inputs  #
 
 torch.set_num_threads(1)
 KNOB = "KDA_CUDA_CHUNK_BWD_STATE_BWD"
+VALUES = ("11", "12")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 MY_CASES = {
     **{c: CASES[c] for c in ("random_T65", "T1", "T63", "T1000", "extreme_gates", "gate_div_10", "gva_4x",
@@ -86,10 +89,11 @@ def test_state_bwd11_gradients_equal_4(family, dtype, case, with_state, monkeypa
     a = _one_call(family, args, "4", monkeypatch)
     a2 = _one_call(family, args, "4", monkeypatch)
     _assert_equal(f"{family} {case} =4 run twice (the backward is not deterministic?)", a, a2)
-    b = _one_call(family, args, "11", monkeypatch)
-    for n, x in zip(NAMES, b):
-        assert torch.isfinite(x).all(), n
-    _assert_equal(f"{family} {case} {KNOB}=11 vs =4", b, a)
+    for value in VALUES:
+        b = _one_call(family, args, value, monkeypatch)
+        for n, x in zip(NAMES, b):
+            assert torch.isfinite(x).all(), (value, n)
+        _assert_equal(f"{family} {case} {KNOB}={value} vs =4", b, a)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -98,8 +102,9 @@ def test_state_bwd11_misaligned_grad_o(family, dtype, monkeypatch):
     # grad_o not 16-byte aligned: the kernel's dO loads take the scalar path, with the same values
     args, _ = _inputs(family, "gva_varlen_extreme", dtype, True, misalign=True)
     a = _one_call(family, args, "4", monkeypatch)
-    b = _one_call(family, args, "11", monkeypatch)
-    _assert_equal(f"{family} misaligned grad_o =11 vs =4", b, a)
+    for value in VALUES:
+        b = _one_call(family, args, value, monkeypatch)
+        _assert_equal(f"{family} misaligned grad_o ={value} vs =4", b, a)
 
 
 def _stage_outputs(family, args, value, monkeypatch):
@@ -130,36 +135,43 @@ def test_state_bwd11_stage_outputs_equal_4(family, dtype, case, monkeypatch):
     # the state_bwd stage's own outputs, bit for bit (the staged op runs V <= 128)
     args, _ = _inputs(family, case, dtype, True)
     a = _stage_outputs(family, args, "4", monkeypatch)
-    b = _stage_outputs(family, args, "11", monkeypatch)
-    for n, x, y in zip(("dh0", "dU", "dhs"), b, a):
-        assert torch.isfinite(x).all(), n
-        assert torch.equal(x, y), f"{family} {case} state_bwd stage {n}: =11 differs from =4 " \
-                                  f"(max |diff| {float((x.double() - y.double()).abs().max()):.3e})"
+    for value in VALUES:
+        b = _stage_outputs(family, args, value, monkeypatch)
+        for n, x, y in zip(("dh0", "dU", "dhs"), b, a):
+            assert torch.isfinite(x).all(), (value, n)
+            assert torch.equal(x, y), f"{family} {case} state_bwd stage {n}: ={value} differs from =4 " \
+                                      f"(max |diff| {float((x.double() - y.double()).abs().max()):.3e})"
 
 
-@pytest.mark.parametrize("case", ["random_T65", "T1", "T1000", "extreme_gates", "gva_4x", "varlen_empty",
-                                  "odd_dims", "v256_blocks", "v200_blocks_varlen"])
+@pytest.mark.parametrize("value", VALUES)
+@pytest.mark.parametrize("case", ["random_T65", "T1", "extreme_gates", "gva_4x", "varlen_empty", "odd_dims",
+                                  "v256_blocks", "v200_blocks_varlen"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_state_bwd11_reference(family, dtype, case, monkeypatch):
+def test_state_bwd11_reference(family, dtype, case, value, monkeypatch):
     # against autograd through the float64 reference at DESIGN.md section 6 (test_cuda_chunk_bwd.py's _run)
     if dtype == "fp16" and case not in ("random_T65", "extreme_gates", "varlen_empty", "gva_4x"):
         pytest.skip("fp16: a subset")
-    monkeypatch.setenv(KNOB, "11")
+    if value == "12" and case not in ("random_T65", "extreme_gates", "varlen_empty", "v200_blocks_varlen"):
+        pytest.skip("12: a subset")
+    monkeypatch.setenv(KNOB, value)
     _run(family, case, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
 
 
 @pytest.mark.parametrize("family", ["kda", "gdn"])
 def test_state_bwd11_reference_without_state_and_1e4(family, monkeypatch):
-    monkeypatch.setenv(KNOB, "11")
-    _run(family, "varlen_empty", torch.bfloat16, with_state=False)
-    _run(family, "extreme_gates", torch.bfloat16, g_fill=-1e4)
+    for value in VALUES:
+        monkeypatch.setenv(KNOB, value)
+        _run(family, "varlen_empty", torch.bfloat16, with_state=False)
+        _run(family, "extreme_gates", torch.bfloat16, g_fill=-1e4)
 
 
+@pytest.mark.parametrize("value", VALUES)
 @pytest.mark.parametrize("family", ["kda", "gdn"])
-def test_state_bwd11_runs_under_its_knob(family, monkeypatch):
-    # the knob selects the kernel: state_bwd3f_kernel<PC> for 11 (bf16 / fp16 inputs); fp32 inputs run state_bwd2
-    monkeypatch.setenv(KNOB, "11")
+def test_state_bwd11_runs_under_its_knob(family, value, monkeypatch):
+    # the knob selects the kernel: state_bwd3f_kernel<PC, true> for 11, <PC, false> for 12 (bf16 / fp16 inputs);
+    # fp32 inputs run state_bwd2
+    monkeypatch.setenv(KNOB, value)
 
     def names(dtype):
         q, k, v, g, beta = make_inputs(family, B=1, T=100, H=1, HV=2, dtype=dtype, seed=41)
@@ -170,9 +182,10 @@ def test_state_bwd11_runs_under_its_knob(family, monkeypatch):
         return [e.name.replace(" ", "") for e in prof.events() if "state_bwd" in e.name]
 
     pc = "true" if family == "kda" else "false"
+    rowp = "true" if value == "11" else "false"
     for dtype in (torch.bfloat16, torch.float16):
         ev = names(dtype)
-        assert ev and all(f"state_bwd3f_kernel<{pc}>" in n for n in ev), ev
+        assert ev and all(f"state_bwd3f_kernel<{pc},{rowp}>" in n for n in ev), ev
     ev = names(torch.float32)
     assert ev and all("state_bwd2_kernel" in n for n in ev), ev
 

@@ -429,7 +429,37 @@ __device__ __forceinline__ void sb3_round16(float* d) {
   *reinterpret_cast<float4*>(d) = make_float4(sb3_tf32f(x.x), sb3_tf32f(x.y), sb3_tf32f(x.z), sb3_tf32f(x.w));
 }
 
-template <bool PC>
+// The A fragments of both m tiles of a product with a transposed [CH][kSb3LdT] tile (A(i, t) = X[t, i]) at k step
+// rows t4, t4 + 4 of a (a = the tile + t4 row + the lane's first dS row): ROWP: dS rows r0 + 16 mt + h, h = 0, 1,
+// adjacent (LDS.64); else rows r0 + 16 mt + 8 h (=4's reads).
+template <bool ROWP>
+__device__ __forceinline__ void sb3f_afrag(const float* a, uint32_t (&af)[2][4]) {
+  if constexpr (ROWP) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const float2 x = *reinterpret_cast<const float2*>(a + 16 * mt);
+      const float2 y = *reinterpret_cast<const float2*>(a + 4 * kSb3LdT + 16 * mt);
+      af[mt][0] = __float_as_uint(x.x);
+      af[mt][1] = __float_as_uint(x.y);
+      af[mt][2] = __float_as_uint(y.x);
+      af[mt][3] = __float_as_uint(y.y);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      af[mt][0] = __float_as_uint(a[16 * mt]);
+      af[mt][1] = __float_as_uint(a[16 * mt + 8]);
+      af[mt][2] = __float_as_uint(a[4 * kSb3LdT + 16 * mt]);
+      af[mt][3] = __float_as_uint(a[4 * kSb3LdT + 16 * mt + 8]);
+    }
+  }
+}
+
+// ROWP (=11): the warp's dS rows permuted -- accumulator row g + 8 h of tile mt holds dS row 32 wi + 2 g + 16 mt + h
+// -- so one float2 of a Q Gam / w row holds the fragment's rows g, g + 8 (4 conflict-free LDS.64 per k step instead
+// of 8 LDS, straight into the mma's register quad). Each dS element still gets the same k products in the same
+// chains; only its row slot in the m16 tile moves. Without ROWP (=12) every fragment is read from =4's addresses.
+template <bool PC, bool ROWP>
 __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
   using L = Sb3fSmem;
   const int n = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * VS;
@@ -443,7 +473,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wi = warp & 3, wc = warp >> 2;
   const int gq = lane >> 2, t4 = lane & 3;
   const int cw = 16 * wc;
-  const int r0 = 32 * wi + gq;
+  const int r0 = ROWP ? 32 * wi + 2 * gq : 32 * wi + gq;
+  auto drow = [&](int mt, int h) { return ROWP ? r0 + 16 * mt + h : r0 + 16 * mt + 8 * h; };  // accumulator -> dS row
   const int u0 = 16 * wi + gq;
   const int K = p.K, V = p.V, HV = p.HV;
   const float scale = p.scale;
@@ -461,7 +492,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = r0 + 16 * mt + 8 * (e >> 1), c = v0 + cw + 8 * nt + 2 * t4 + (e & 1);
+        const int r = drow(mt, e >> 1), c = v0 + cw + 8 * nt + 2 * t4 + (e & 1);
         ds[mt][nt][e] = (p.dht != nullptr && r < K && c < V) ? p.dht[nbase + static_cast<int64_t>(r) * V + c] : 0.f;
       }
   auto put_ds = [&]() {  // tf32 copy for the next step's B operand
@@ -469,9 +500,10 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        float* d = dss + (r0 + 16 * mt) * kSb3LdB + cw + 8 * nt + 2 * t4;
-        *reinterpret_cast<float2*>(d) = make_float2(sb3_tf32f(ds[mt][nt][0]), sb3_tf32f(ds[mt][nt][1]));
-        *reinterpret_cast<float2*>(d + 8 * kSb3LdB) = make_float2(sb3_tf32f(ds[mt][nt][2]), sb3_tf32f(ds[mt][nt][3]));
+        float* d0 = dss + drow(mt, 0) * kSb3LdB + cw + 8 * nt + 2 * t4;
+        float* d1 = dss + drow(mt, 1) * kSb3LdB + cw + 8 * nt + 2 * t4;
+        *reinterpret_cast<float2*>(d0) = make_float2(sb3_tf32f(ds[mt][nt][0]), sb3_tf32f(ds[mt][nt][1]));
+        *reinterpret_cast<float2*>(d1) = make_float2(sb3_tf32f(ds[mt][nt][2]), sb3_tf32f(ds[mt][nt][3]));
       }
   };
   auto store_ds = [&](float* dst) {
@@ -479,7 +511,7 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = r0 + 16 * mt + 8 * h;
+        const int r = drow(mt, h);
         if (r >= K) continue;
         float* row = dst + static_cast<int64_t>(r) * V;
 #pragma unroll
@@ -537,7 +569,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
   // raw dO (no scale) of chunk c: row tid / 4, columns 8 (tid % 4) .. + 7 of the block's VS
   float dn[8];
   const int dot = tid >> 2, dovc = v0 + 8 * (tid & 3);
-  const bool dovec = p.in_dtype != kF32 && (V & 7) == 0 && dovc + 8 <= V;  // 16 aligned bytes
+  const bool dovec = p.in_dtype != kF32 && (V & 7) == 0 && dovc + 8 <= V &&  // 16 aligned bytes
+                     (reinterpret_cast<uintptr_t>(p.grad_o) & 15) == 0;
   auto load_do = [&](int c) {
     const ChunkPos cp = seq_chunk(n, c, bos, len);
     const bool tok = dot < cp.Cc;
@@ -581,6 +614,8 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
     cpa_commit();
     load_do(nc - 1);
     put_do();
+    cpa_wait<2>();  // K Eend, w of chunk nc - 1 (the loop rounds the later ones at the end of the step before)
+    round_g1(0);
   }
 
   // the dU buffer: row t, column c at t * VS + (c ^ 8 (t & 3)); the rows this thread writes (u0, u0 + 8) and
@@ -592,7 +627,6 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
     store_ds(p.dhs + (static_cast<size_t>(cid) * HV + hv) * K * V);
     if (c > 0) load_do(c - 1);
     cpa_wait<1>();  // K Eend, w (buffer b), A_qk, Q Gam, Gam_last of chunk c (this thread's pieces)
-    if (s == 0) round_g1(b);
     round_g2();
     __syncthreads();  // (also dO of chunk c and the dS copy)
 
@@ -642,18 +676,16 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
           bv[nt][0] = __float_as_uint(o[0]);
           bv[nt][1] = __float_as_uint(o[4 * kSb3LdB]);
         }
+        uint32_t af[2][4];
+        sb3f_afrag<ROWP>(qb + 8 * ks * kSb3LdT, af);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const float* a = qb + 8 * ks * kSb3LdT + 16 * mt;
-          const uint32_t ah[4] = {__float_as_uint(a[0]), __float_as_uint(a[8]), __float_as_uint(a[4 * kSb3LdT]),
-                                  __float_as_uint(a[4 * kSb3LdT + 8])};
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) sb3_mma(ym[mt][nt], ah, bv[nt][0], bv[nt][1]);
-        }
+          for (int nt = 0; nt < 2; ++nt) sb3_mma(ym[mt][nt], af[mt], bv[nt][0], bv[nt][1]);
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const float g0 = gls[r0 + 16 * mt], g1 = gls[r0 + 16 * mt + 8];
+        const float g0 = gls[drow(mt, 0)], g1 = gls[drow(mt, 1)];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -731,14 +763,12 @@ __global__ void __launch_bounds__(kSb3Threads, 1) state_bwd3f_kernel(Params p) {
           bh[nt][0] = __float_as_uint(u[0]);
           bh[nt][1] = __float_as_uint(u[4 * VS]);
         }
+        uint32_t af[2][4];
+        sb3f_afrag<ROWP>(wb + 8 * ks * kSb3LdT, af);
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const float* a = wb + 8 * ks * kSb3LdT + 16 * mt;
-          const uint32_t ah[4] = {__float_as_uint(a[0]), __float_as_uint(a[8]), __float_as_uint(a[4 * kSb3LdT]),
-                                  __float_as_uint(a[4 * kSb3LdT + 8])};
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) sb3_mma(zm[mt][nt], ah, bh[nt][0], bh[nt][1]);
-        }
+          for (int nt = 0; nt < 2; ++nt) sb3_mma(zm[mt][nt], af[mt], bh[nt][0], bh[nt][1]);
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
