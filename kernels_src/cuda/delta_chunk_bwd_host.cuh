@@ -263,6 +263,11 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
 template <bool PC>
 void launch_state_bwd3_bf16(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st);
 
+// state_bwd3f (KDA_CUDA_CHUNK_BWD_STATE_BWD=11 with its dS rows permuted, 12 without): instantiated in
+// delta_chunk_bwd_state_bwd3f.cu (its own translation unit, as state_bwd3_bf16)
+template <bool PC>
+void launch_state_bwd3f(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st, bool rowp);
+
 // Stage state_bwd: the chunk-end state gradients backwards from grad_final_state (p.dht); writes p.dh0.
 template <bool PC>
 void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
@@ -278,10 +283,8 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
   } else if ((mode == 11 || mode == 12) && p.in_dtype != kF32) {
-    // state_bwd3f: =4's products on operands rounded once (225 KB of shared memory, within kGradSmem)
-    auto kern = mode == 11 ? cb::state_bwd3f_kernel<PC, true> : cb::state_bwd3f_kernel<PC, false>;
-    allow_dynamic_smem(kern, cb::kStateBwd3fSmem);
-    kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3fSmem, st>>>(p);
+    // state_bwd3f: =4's products on operands rounded once (delta_chunk_bwd_state_bwd3f.cu), the same grid
+    launch_state_bwd3f<PC>(p, gseq, st, mode == 11);
   } else if (mode == 10 && p.in_dtype != kF32) {
     // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid
     launch_state_bwd3_bf16<PC>(p, gseq, st);
