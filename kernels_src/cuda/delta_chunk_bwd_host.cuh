@@ -227,8 +227,7 @@ void chunk_bwd_prep_stage(const Shapes& s, const chunk_bwd::Params& p, const std
 
 // The one-call backward and the staged one run only on devices with kGradSmem of shared memory per block
 // (smem_optin checks in chunk_bwd_run / chunk_bwd_stage); the tensor-core state kernels need no check of their own.
-static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem &&
-                  chunk_bwd::kStateBwd3fSmem <= chunk_bwd::kGradSmem,
+static_assert(chunk_bwd::kStateFwd3Smem <= chunk_bwd::kGradSmem && chunk_bwd::kStateBwd3Smem <= chunk_bwd::kGradSmem,
               "a state kernel needs more shared memory than the device check in chunk_bwd_run guarantees");
 
 // Stage state_fwd: the chunk-start states from initial_state (p.h0).
