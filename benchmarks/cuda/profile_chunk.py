@@ -71,7 +71,9 @@ KNOB_SWEEPS = [
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
      "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
      "bf16/fp16 inputs, 10 it with bf16 operands (m16n8k16 with 16-byte A-operand reads; session 12; 9, the same "
-     "with 4-byte reads, and 5 / 6: retired, refused)"),
+     "with 4-byte reads, and 5 / 6: retired, refused), 11 state_bwd3f: 4 with its operands rounded to tf32 once "
+     "where written, 3 barriers per chunk and 8-byte A reads (dS rows permuted), 12 the same with 4's fragment "
+     "addresses; both bit for bit 4's outputs (session 13)"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),

@@ -131,12 +131,15 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // fp32 inputs), 10 = state_bwd3 with bf16 operands (m16n8k16, fp32 accumulators and fp32 dS, 16-byte A-operand
     // reads; session 12, delta_chunk_bwd_state_bwd3_bf16.cuh; opt-in: 0.747 vs 0.850 ms at B1 T8192 H16 HV32 on the
     // H200, but ~10x the dbeta / dh0 error, within DESIGN.md section 6). Retired in session 12: 9, the same with
-    // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10).
+    // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10). 11 = state_bwd3f, =4 with its
+    // operands rounded to tf32 once where written, 3 barriers per chunk instead of 4 and the warp's dS rows
+    // permuted for 8-byte A reads; 12 = it with =4's fragment addresses (session 13, opt-in; the same mma on the
+    // same operands in the same chains: dhs, dU, dh0 should equal =4's bit for bit).
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 9,
                    "state_bwd3_bf16_kernel with 4-byte fragment reads (=10 is the same numerics, faster)", 12);
-    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 2});
+    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 11, 12, 2});
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
@@ -277,6 +280,11 @@ void chunk_bwd_state_fwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
 template <bool PC>
 void launch_state_bwd3_bf16(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st);
 
+// state_bwd3f (KDA_CUDA_CHUNK_BWD_STATE_BWD=11 with its dS rows permuted, 12 without): instantiated in
+// delta_chunk_bwd_state_bwd3f.cu (its own translation unit, as state_bwd3_bf16)
+template <bool PC>
+void launch_state_bwd3f(const chunk_bwd::Params& p, dim3 grid, cudaStream_t st, bool rowp);
+
 // Stage state_bwd: the chunk-end state gradients backwards from grad_final_state (p.dht); writes p.dh0.
 template <bool PC>
 void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, const std::vector<at::Tensor>& work,
@@ -291,6 +299,9 @@ void chunk_bwd_state_bwd_stage(const Shapes& s, const chunk_bwd::Params& p, cons
     auto kern = mode == 3 ? cb::state_bwd3_kernel<PC, true> : cb::state_bwd3_kernel<PC, false>;
     allow_dynamic_smem(kern, cb::kStateBwd3Smem);
     kern<<<gseq, cb::kSb3Threads, cb::kStateBwd3Smem, st>>>(p);
+  } else if ((mode == 11 || mode == 12) && p.in_dtype != kF32) {
+    // state_bwd3f: =4's products on operands rounded once (delta_chunk_bwd_state_bwd3f.cu), the same grid
+    launch_state_bwd3f<PC>(p, gseq, st, mode == 11);
   } else if (mode == 10 && p.in_dtype != kF32) {
     // state_bwd3 with bf16 operands (delta_chunk_bwd_state_bwd3_bf16.cu), the same grid
     launch_state_bwd3_bf16<PC>(p, gseq, st);
