@@ -1,5 +1,5 @@
 """KDA's per-channel grad stage, grad3_ch2's F5 instance (KDA_CUDA_CHUNK_BWD_CH=5; kernels_src/cuda/
-delta_chunk_bwd_grad3_ch2.cuh, grad3_ch2_kernel<true, true>; session 13, opt-in): the default grad3_ch2 (=2) with
+delta_chunk_bwd_grad3_ch2.cuh, grad3_ch2_kernel<true, true>; session 13, the default since its verification call): the default grad3_ch2 (=2) with
 the same floating-point operations on the same operands in the same order and fewer integer / shuffle instructions
 (compile-time dA copy offsets, hoisted 64-bit row addresses, the 16 rows' dRg . k warp sums as one transposed
 butterfly that adds the same pairs). Claimed bit-identical, so: every gradient of kda_chunk_bwd (dq, dk, dv, dg,
@@ -121,10 +121,10 @@ def test_gdn_ignores_ch5(monkeypatch):
 
 
 @pytest.mark.parametrize("val, inst", [("2", "grad3_ch2_kernel<true, false>"), ("5", "grad3_ch2_kernel<true, true>"),
-                                       (None, "grad3_ch2_kernel<true, false>")])
+                                       (None, "grad3_ch2_kernel<true, true>")])  # unset: 5 since session 13
 def test_grad3_ch_routes_to_its_instance(val, inst, monkeypatch):
     """Each value runs its instance -- seen as the kernel the profiler records, since the two give the same bits
-    (torch.equal above would pass if both values ran one kernel); unset: the default, <true, false>."""
+    (torch.equal above would pass if both values ran one kernel); unset: the default, <true, true> (F5)."""
     if val is None:
         monkeypatch.delenv(KNOB, raising=False)
     else:

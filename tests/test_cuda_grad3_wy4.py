@@ -1,5 +1,5 @@
 """grad3_wy4 (KDA_CUDA_CHUNK_BWD_WY=4; kernels_src/cuda/delta_chunk_bwd_grad3_wy2.cuh, grad3_wy4_kernel; session 13,
-opt-in): grad3_wy2 (=2, the default) with T^T's 3xTF32 hi / lo splits formed once into shared memory and the dL
+the default since its verification call): grad3_wy2 (=2, the former default) with T^T's 3xTF32 hi / lo splits formed once into shared memory and the dL
 products rebalanced over the warps, the same MMAs on the same tf32 words in the same order per accumulator and the
 same fp adds / FMAs in the same order. Claimed bit-identical to =2, so: every gradient of kda_chunk_bwd /
 gdn_chunk_bwd (dq, dk, dv, dg, dbeta, dh0) torch.equal between =4 and =2, both set explicitly (the backward's other

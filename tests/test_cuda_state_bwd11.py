@@ -1,5 +1,5 @@
 """state_bwd3f (KDA_CUDA_CHUNK_BWD_STATE_BWD=11 and 12; kernels_src/cuda/delta_chunk_bwd_state_bwd3.cuh; session 13,
-off by default): the default state_bwd3 tf32 (=4) with its operands rounded to tf32 once where they are written and 3
+12 the default since its verification call): the former default state_bwd3 tf32 (=4) with its operands rounded to tf32 once where they are written and 3
 barriers per chunk step instead of 4; 11 also permutes the warp's dS rows inside the m16 tiles (8-byte A reads), 12
 reads every fragment from =4's addresses. Both issue the same mma on the same tf32 operands into the same
 accumulator chains, so their outputs must EQUAL =4's bit for bit (torch.equal; for 11 this also assumes that an

@@ -1,5 +1,6 @@
 """state_fwd3 shared-operand (KDA_CUDA_CHUNK_BWD_STATE_FWD=11, state_fwd3s_kernel) and wide-block (=12,
-state_fwd3w_kernel), kernels_src/cuda/delta_chunk_bwd_state_fwd3.cuh, against state_fwd3 narrow (=7, the default):
+state_fwd3w_kernel), kernels_src/cuda/delta_chunk_bwd_state_fwd3.cuh, against state_fwd3 narrow (=7, the default until
+session 13's verification call; 11 since):
 both run =7's warp tiles, mma chains and tf32 operands, so the state_fwd stage's outputs -- the chunk-start states hs
 and U = u - w S, read from the staged backward's work list after stage 1 -- must be bit for bit (torch.equal) =7's,
 over KDA and GDN, bf16 / fp16, varlen with empty sequences, GVA, initial state or none, gates at -20 / -1e4, T = 1,

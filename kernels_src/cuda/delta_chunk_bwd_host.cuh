@@ -36,9 +36,9 @@ enum BwdWork {
   kBwOff = 0, kBwAqk, kBwAkk, kBwWc, kBwKend, kBwQg, kBwGl, kBwU0, kBwU, kBwDU, kBwHs, kBwDhs, kBwG3w, kBwCfg,
   kBwWorkSize
 };
-// cfg entries: prep mode, chunks (nc_max), and the kernel choice of each state stage
-// (KDA_CUDA_CHUNK_BWD_STATE_FWD / _BWD, read at stage 0; see chunk_bwd_params).
-enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kBwCfgLen };
+// cfg entries: prep mode, chunks (nc_max), and the kernel choice of each stage (KDA_CUDA_CHUNK_BWD_STATE_FWD /
+// _BWD / _VC / _CH / _WY, read once at stage 0, so the staged ops run one choice throughout; see chunk_bwd_params).
+enum BwdCfg { kCfgPrep = 0, kCfgChunks, kCfgStateFwd, kCfgStateBwd, kCfgVc, kCfgCh, kCfgWy, kBwCfgLen };
 
 // `work` empty: allocate it (knobs read now); else check it. Returns Params with every work pointer and the inputs
 // set; the output pointers (dq, dk, dg, dbeta, dv, dh0) are the stages' business.
@@ -118,11 +118,12 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 8, "state_fwd_bf16_kernel (bf16 operands, U plain bf16)", 13);
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 9, "state_fwd_bf16_kernel (bf16 operands, U as hi + lo)", 13);
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 10, "state_fwd_bf16_kernel (U and K Eend as hi + lo)", 13);
-    // Session 13, opt-in, both bit-identical to 7 (same warp tiles, mma chains and tf32 operands): 11 =
-    // state_fwd3 shared-operand (two narrow column groups per block, each with its own barriers, sharing
-    // double-buffered w / K Eend tiles: half the L2 reads, operands a step ahead; sm_90+, else 7), 12 = state_fwd3
-    // wide-block (=7's warp tiles on 16 warps of one 32-column block, =3's cp.async double buffers).
-    c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 7, {7, 3, 2, 11, 12});
+    // Session 13, both bit-identical to 7 (same warp tiles, mma chains and tf32 operands; torch.equal in every GPU
+    // test of the verification call): 11 = state_fwd3 shared-operand, the default since then (two narrow column
+    // groups per block, each with its own barriers, sharing double-buffered w / K Eend tiles: half the L2 reads,
+    // operands a step ahead; sm_90+, else 7; 0.466 vs 0.575 ms, GDN 0.467 vs 0.582), 12 = state_fwd3 wide-block
+    // (=7's warp tiles on 16 warps of one 32-column block, =3's cp.async double buffers; 0.525 ms).
+    c[kCfgStateFwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_FWD", 11, {7, 3, 2, 11, 12});
     // state_bwd: 4 = state_bwd3 on tensor cores with plain tf32 products (default for bf16/fp16 inputs, as
     // state_fwd; 0.87 vs 1.22 ms with 3xTF32 in session 8's candidate call, windowed backward; with grad3_vc in
     // tf32 too, every gradient's error against the float64 reference at most 0.0018 (bound 0.008), dg / dbeta /
@@ -133,23 +134,28 @@ inline chunk_bwd::Params chunk_bwd_params(const char* op, const Shapes& s, const
     // H200, but ~10x the dbeta / dh0 error, within DESIGN.md section 6). Retired in session 12: 9, the same with
     // state_bwd3's 4-byte fragment reads (0.755 ms, the same numerics as 10). 11 = state_bwd3f, =4 with its
     // operands rounded to tf32 once where written, 3 barriers per chunk instead of 4 and the warp's dS rows
-    // permuted for 8-byte A reads; 12 = it with =4's fragment addresses (session 13, opt-in; the same mma on the
-    // same operands in the same chains: dhs, dU, dh0 should equal =4's bit for bit).
+    // permuted for 8-byte A reads; 12 = it with =4's fragment addresses, the default since session 13 (the same mma
+    // on the same operands in the same chains: dhs, dU, dh0 torch.equal to =4's in every GPU test of the
+    // verification call; 0.822 vs 0.851 ms KDA, 0.819 vs 0.849 GDN; 11 0.826 / 0.820).
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 5, "the bulk-copy state_bwd4_kernel (tf32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 6, "the bulk-copy state_bwd4_kernel (3xTF32)");
     refuse_retired(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 9,
                    "state_bwd3_bf16_kernel with 4-byte fragment reads (=10 is the same numerics, faster)", 12);
-    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 4, {4, 3, 10, 11, 12, 2});
+    c[kCfgStateBwd] = env_choice(op, "KDA_CUDA_CHUNK_BWD_STATE_BWD", 12, {4, 3, 10, 11, 12, 2});
     // grad3_vc (the contractions over V of grad v3): 3 = grad3_vc_tc on tensor cores with plain tf32 products
     // (default for bf16/fp16 inputs with V % 4 == 0; its three launches 0.71 vs 0.85 ms with 3xTF32, same call;
     // errors above), 2 = it with 3xTF32 (about fp32; delta_chunk_bwd_grad3_vc_tc.cuh), 1 = the fp32 SIMT grad3_vc
     // (always for fp32 inputs)
     c[kCfgVc] = env_choice(op, "KDA_CUDA_CHUNK_BWD_VC", 3, {3, 2, 1});
-    // the per-channel stage (KDA): 2 = grad3_ch2 (default), 5 = its F5 instance (session 13, opt-in: the same
-    // gradients bit for bit, fewer integer / shuffle instructions; delta_chunk_bwd_grad3_ch2.cuh). GDN ignores it.
-    c[kCfgCh] = env_choice(op, "KDA_CUDA_CHUNK_BWD_CH", 2, {2, 5});
-    // read again where they act (the grad stage, the GVA reduce), which have no op name: checked here, at stage 0
-    env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 2, {2, 1, 4});  // 4: grad3_wy4 (session 13, opt-in)
+    // the per-channel stage (KDA): 5 = grad3_ch2's F5 instance, the default since session 13 (the same gradients
+    // bit for bit from fewer integer / shuffle instructions; 0.885 vs 0.94 ms), 2 = grad3_ch2 without it
+    // (delta_chunk_bwd_grad3_ch2.cuh). GDN ignores it.
+    c[kCfgCh] = env_choice(op, "KDA_CUDA_CHUNK_BWD_CH", 5, {2, 5});
+    // grad3_wy where V % 4 == 0: 4 = grad3_wy4, the default since session 13 (grad3_wy2 with T^T's splits formed
+    // once and dL rebalanced, bit for bit its outputs; 0.510 vs 0.604 ms, KDA and GDN), 2 = grad3_wy2, 1 = the SIMT
+    // grad3_wy (always where V % 4 != 0)
+    c[kCfgWy] = env_choice(op, "KDA_CUDA_CHUNK_BWD_WY", 4, {2, 1, 4});
+    // read again where it acts (the GVA reduce), which has no op name: checked here, at stage 0
     env_choice(op, "KDA_CUDA_CHUNK_BWD_GVA", 1, {1, 0});
     work[kBwCfg] = cfg;
   }
@@ -364,9 +370,9 @@ void chunk_bwd_grad_stage(const Shapes& s, chunk_bwd::Params p, const std::vecto
     // grad3_wy2 (delta_chunk_bwd_grad3_wy2.cuh; tensor cores, 108 KB: two blocks per SM) by default where V % 4 == 0;
     // the SIMT grad3_wy where V % 4 != 0 (the default there) and for KDA_CUDA_CHUNK_BWD_WY=1 (=3, plain tf32
     // products for bf16 inputs: retired in session 11, refused by chunk_bwd_params)
-    // (=4: grad3_wy4, the same file: grad3_wy2 with T^T's splits formed once and dL rebalanced, bit for bit its
-    // outputs; session 13, opt-in)
-    if (const int wy = env_int("KDA_CUDA_CHUNK_BWD_WY", 2); wy != 1 && s.V % 4 == 0) {
+    // (=4, the default since session 13: grad3_wy4, the same file: grad3_wy2 with T^T's splits formed once and dL
+    // rebalanced, bit for bit its outputs)
+    if (const int64_t wy = bwd_cfg(work, kCfgWy); wy != 1 && s.V % 4 == 0) {
       auto kern = wy == 4 ? cb::grad3_wy4<PC>(p.in_dtype) : cb::grad3_wy2<PC>(p.in_dtype);
       allow_dynamic_smem(kern, cb::kWy2Smem, /*max_carveout=*/true);
       kern<<<gchunks, cb::NT, cb::kWy2Smem, st>>>(p);
