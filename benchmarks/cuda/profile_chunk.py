@@ -63,32 +63,29 @@ KNOB_SWEEPS = [
      "raw products of S1, bit for bit v2's (session 13); unset: 3 where HV / H is even, else 2 (0 and 1: retired, "
      "refused)"),
     ("--bwd-state-fwd", "KDA_CUDA_CHUNK_BWD_STATE_FWD", "bwd", "bwd_state_fwd", False,
-     "2 the fp32 SIMT state_fwd2, 3 state_fwd3 3xTF32, 7 state_fwd3 tf32 narrow: 16 value columns per block, the "
-     "default for bf16/fp16 inputs, 11 state_fwd3 shared-operand (two narrow column groups per block sharing "
-     "bulk-copied double-buffered operand tiles; session 13, bit for bit 7's), 12 state_fwd3 wide-block (7's warp "
-     "tiles on 16 warps of a 32-column block, cp.async double buffers; session 13, bit for bit 7's) (4, state_fwd3 "
-     "tf32 with 32 columns, 5, and 8 / 9 / 10, state_fwd on bf16 operands: retired, refused)"),
+     "11 state_fwd3 shared-operand, the default for bf16/fp16 inputs since session 13 (two narrow column groups per "
+     "block sharing double-buffered operand tiles; bit for bit 7's; sm_90+, else 7), 7 state_fwd3 tf32 narrow (16 "
+     "value columns per block, the default from session 10 to 13), 12 state_fwd3 wide-block (7's warp tiles on 16 "
+     "warps of a 32-column block; bit for bit 7's), 3 state_fwd3 3xTF32, 2 the fp32 SIMT state_fwd2 (4, 5, and 8 / "
+     "9 / 10, state_fwd on bf16 operands: retired, refused)"),
     ("--bwd-state-bwd", "KDA_CUDA_CHUNK_BWD_STATE_BWD", "bwd", "bwd_state_bwd", False,
-     "2 the fp32 SIMT state_bwd2, 3 state_bwd3 on tensor cores with 3xTF32, 4 it with plain tf32, the default for "
-     "bf16/fp16 inputs, 10 it with bf16 operands (m16n8k16 with 16-byte A-operand reads; session 12; 9, the same "
-     "with 4-byte reads, and 5 / 6: retired, refused), 11 state_bwd3f: 4 with its operands rounded to tf32 once "
-     "where written, 3 barriers per chunk and 8-byte A reads (dS rows permuted), 12 the same with 4's fragment "
-     "addresses; both bit for bit 4's outputs (session 13)"),
+     "12 state_bwd3f, the default for bf16/fp16 inputs since session 13 (4 with its operands rounded to tf32 once "
+     "where written and 3 barriers per chunk; bit for bit 4's outputs), 11 it with 8-byte A reads (dS rows "
+     "permuted), 4 state_bwd3 with plain tf32 (the default from session 8 to 13), 3 it with 3xTF32, 10 it with bf16 "
+     "operands (session 12, opt-in), 2 the fp32 SIMT state_bwd2 (9, 5, 6: retired, refused)"),
     ("--bwd-vc", "KDA_CUDA_CHUNK_BWD_VC", "bwd", "bwd_vc", False,
      "1 the fp32 SIMT grad3_vc, 2 grad3_vc_tc on tensor cores with 3xTF32, 3 it with plain tf32, the default for "
      "bf16/fp16 inputs"),
     ("--bwd-prep", "KDA_CUDA_CHUNK_BWD_PREP", "bwd", "bwd_prep", False,
-     "2 the fp32 SIMT prep, 6 the KDA prep v6: v4 with each 3xTF32 split formed once, bit-identical, the default "
-     "for bf16/fp16 inputs since session 13, 4 the KDA prep v4 with the 8x8 split, the default until then (GDN: every value but 2 runs its "
-     "prep v3; KDA's 3, prep v3, and 1, prep v1: retired in session 9, 5, v4 without the split, in session 11; "
-     "refused; others refused as unknown)"),
+     "6 the KDA prep v6 (v4 with each 3xTF32 split formed once, bit for bit v4's), the default for bf16/fp16 inputs "
+     "since session 13, 4 the KDA prep v4 with the 8x8 split (the default until then), 2 the fp32 SIMT prep (GDN: "
+     "every value but 2 runs its prep v3; 1, 3, 5: retired, refused for KDA)"),
     ("--bwd-ch", "KDA_CUDA_CHUNK_BWD_CH", "bwd", "bwd_ch", True,
-     "2 grad3_ch2, the default, 5 its F5 instance: the same gradients bit for bit with fewer integer / shuffle "
-     "instructions (session 13; 1, 3, 4: retired, refused)"),
+     "5 grad3_ch2's F5 instance, the default since session 13 (the same gradients bit for bit from fewer integer / "
+     "shuffle instructions), 2 grad3_ch2 without it (1, 3, 4: retired, refused)"),
     ("--bwd-wy", "KDA_CUDA_CHUNK_BWD_WY", "bwd", "bwd_wy", False,
-     "1 the SIMT grad3_wy (the default where V %% 4 != 0), 2 grad3_wy2 on tensor cores, the default, 4 grad3_wy4 "
-     "(grad3_wy2 with the splits formed once and rebalanced warps, bit for bit its outputs; session 13) (3, grad3_wy2 "
-     "with plain tf32 for bf16 inputs: retired in session 11, refused)"),
+     "4 grad3_wy4, the default since session 13 (grad3_wy2 with the splits formed once and rebalanced warps, bit "
+     "for bit its outputs), 2 grad3_wy2, 1 the SIMT grad3_wy (the only one where V %% 4 != 0) (3: retired, refused)"),
     ("--bwd-gva", "KDA_CUDA_CHUNK_BWD_GVA", "bwd", "bwd_gva", False,
      "1 gva_reduce_kernel (the GVA reduce of dq, dk in one launch), the default since session 9, 0 the reduce in "
      "torch"),
