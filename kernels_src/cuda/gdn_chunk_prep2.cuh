@@ -256,6 +256,51 @@ __device__ __forceinline__ void prep2_w_u0(const ChunkFwdParams& p, float* ws, c
                             [&](int t, int c) { return f16(Ks[t * LDH + c]) * Ea[t]; });
 }
 
+// S1 of the GDN preps v2 / v3, one lower tile (a, nt): the raw products Q K^T and K K^T (m16n8k16, fragments by
+// ldmatrix: A -- q or k rows 16a..16a+15 -- one x4 per k-step, lanes 8i..8i+7 addressing rows (i & 1) * 8 +
+// (lane & 7) at half offset 8 (i >> 1); B -- k rows 8nt..8nt+7 -- one x4 per two k-steps, matrix i at half offset
+// 8 i). qs_a / ks_a: Qs / Ks as shared addresses; LDH their 16-bit row stride.
+template <int KP, int LDH, typename T16>
+__device__ __forceinline__ void gdn_s1_products(uint32_t qs_a, uint32_t ks_a, int a, int nt, int lane, float (&cq)[4],
+                                                float (&ckk)[4]) {
+  const uint32_t arow = static_cast<uint32_t>((((lane & 7) + 8 * ((lane >> 3) & 1)) * LDH + 8 * (lane >> 4)) * 2);
+  const uint32_t brow = static_cast<uint32_t>(((lane & 7) * LDH + 8 * (lane >> 3)) * 2);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) cq[e] = ckk[e] = 0.f;
+  const uint32_t qa = qs_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
+  const uint32_t ka = ks_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
+  const uint32_t kb = ks_a + static_cast<uint32_t>(nt * 8 * LDH * 2) + brow;
+#pragma unroll
+  for (int s2 = 0; s2 < KP / 32; ++s2) {
+    uint32_t b[4];
+    ldsm_x4(kb + 64u * s2, b[0], b[1], b[2], b[3]);  // k-steps 2 s2 (b[0], b[1]) and 2 s2 + 1 (b[2], b[3])
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t off = 32u * (2 * s2 + h);  // 16 halfs per k-step
+      uint32_t q0, q1, q2, q3, k0, k1, k2, k3;
+      ldsm_x4(qa + off, q0, q1, q2, q3);
+      ldsm_x4(ka + off, k0, k1, k2, k3);
+      mma16<T16>(cq, q0, q1, q2, q3, b[2 * h], b[2 * h + 1]);
+      mma16<T16>(ckk, k0, k1, k2, k3, b[2 * h], b[2 * h + 1]);
+    }
+  }
+}
+
+// S1's per-element factors of one head on tile (a, nt): A~_qk = scale (Q K^T) e^{G_t - G_j} beta_j for j <= t (0
+// above), A_kk Diag(beta) = (K K^T) e^{G_t - G_j} beta_j for j < t (0 on and above the diagonal).
+__device__ __forceinline__ void gdn_s1_factors(const float (&cq)[4], const float (&ckk)[4], int a, int nt, int gq,
+                                               int t4, const float2* Gh, const float* Bs, float scale, float (&vq)[4],
+                                               float (&vk)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int t = a * kSub + gq + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
+    const float f = j <= t ? __expf(hi_lo_diff(Gh[t], Gh[j])) : 0.f;
+    const float fb = f * Bs[j];
+    vq[e] = scale * (cq[e] * fb);
+    vk[e] = j < t ? ckk[e] * fb : 0.f;
+  }
+}
+
 template <int KP, typename T16, bool WB = false>
 __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const ChunkFwdParams p) {
   using SM = GdnPrep2Smem<KP>;
@@ -307,45 +352,17 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep2_kernel(const C
   gdn_cp_async_wait_all();
   __syncthreads();
 
-  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16), decay and beta per element; upper A~ tiles = 0.
-  //      v1's fragments (32-bit words of rows g / g + 8, words t / t + 4 of the k-step) by ldmatrix: A (q or k rows
-  //      16a..16a+15) one x4 per k-step, lanes 8i..8i+7 addressing rows (i & 1) * 8 + (lane & 7) at half offset
-  //      8 (i >> 1); B (k rows 8nt..8nt+7) one x4 per two k-steps, matrix i at half offset 8 i.
+  // ---- S1: the 20 lower tiles of Q K^T and K K^T (m16n8k16, gdn_s1_products), decay and beta per element
+  //      (gdn_s1_factors); upper A~ tiles = 0.
   {
     const uint32_t qs_a = static_cast<uint32_t>(__cvta_generic_to_shared(Qs));
     const uint32_t ks_a = static_cast<uint32_t>(__cvta_generic_to_shared(Ks));
-    const uint32_t arow = static_cast<uint32_t>((((lane & 7) + 8 * ((lane >> 3) & 1)) * LDH + 8 * (lane >> 4)) * 2);
-    const uint32_t brow = static_cast<uint32_t>(((lane & 7) * LDH + 8 * (lane >> 3)) * 2);
     for (int job = warp; job < 20; job += kGdnThreads / 32) {
       int a, nt;
       lower_tile(job, a, nt);
-      float cq[4] = {0.f, 0.f, 0.f, 0.f}, ckk[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t qa = qs_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
-      const uint32_t ka = ks_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
-      const uint32_t kb = ks_a + static_cast<uint32_t>(nt * 8 * LDH * 2) + brow;
-#pragma unroll
-      for (int s2 = 0; s2 < KP / 32; ++s2) {
-        uint32_t b[4];
-        ldsm_x4(kb + 64u * s2, b[0], b[1], b[2], b[3]);  // k-steps 2 s2 (b[0], b[1]) and 2 s2 + 1 (b[2], b[3])
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t off = 32u * (2 * s2 + h);  // 16 halfs per k-step
-          uint32_t q0, q1, q2, q3, k0, k1, k2, k3;
-          ldsm_x4(qa + off, q0, q1, q2, q3);
-          ldsm_x4(ka + off, k0, k1, k2, k3);
-          mma16<T16>(cq, q0, q1, q2, q3, b[2 * h], b[2 * h + 1]);
-          mma16<T16>(ckk, k0, k1, k2, k3, b[2 * h], b[2 * h + 1]);
-        }
-      }
-      float vq[4], vk[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = a * kSub + gq + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
-        const float f = j <= t ? __expf(hi_lo_diff(Gh[t], Gh[j])) : 0.f;
-        const float fb = f * Bs[j];
-        vq[e] = p.scale * (cq[e] * fb);
-        vk[e] = j < t ? ckk[e] * fb : 0.f;
-      }
+      float cq[4], ckk[4], vq[4], vk[4];
+      gdn_s1_products<KP, LDH, T16>(qs_a, ks_a, a, nt, lane, cq, ckk);
+      gdn_s1_factors(cq, ckk, a, nt, gq, t4, Gh, Bs, p.scale, vq, vk);
       float* Ar = Ab + (a * kSub + gq) * LDA + nt * 8 + 2 * t4;
       *reinterpret_cast<float2*>(Ar) = make_float2(vk[0], vk[1]);
       *reinterpret_cast<float2*>(Ar + 8 * LDA) = make_float2(vk[2], vk[3]);

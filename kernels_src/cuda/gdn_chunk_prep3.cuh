@@ -134,42 +134,17 @@ __global__ void __launch_bounds__(kGdnThreads, 3) gdn_chunk_prep3_kernel(const C
   {
     const uint32_t qs_a = static_cast<uint32_t>(__cvta_generic_to_shared(Qs));
     const uint32_t ks_a = static_cast<uint32_t>(__cvta_generic_to_shared(Ks));
-    const uint32_t arow = static_cast<uint32_t>((((lane & 7) + 8 * ((lane >> 3) & 1)) * LDH + 8 * (lane >> 4)) * 2);
-    const uint32_t brow = static_cast<uint32_t>(((lane & 7) * LDH + 8 * (lane >> 3)) * 2);
     for (int job = warp; job < 20; job += kGdnThreads / 32) {
       int a, nt;
       lower_tile(job, a, nt);
-      float cq[4] = {0.f, 0.f, 0.f, 0.f}, ckk[4] = {0.f, 0.f, 0.f, 0.f};
-      const uint32_t qa = qs_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
-      const uint32_t ka = ks_a + static_cast<uint32_t>(a * kSub * LDH * 2) + arow;
-      const uint32_t kb = ks_a + static_cast<uint32_t>(nt * 8 * LDH * 2) + brow;
-#pragma unroll
-      for (int s2 = 0; s2 < KP / 32; ++s2) {
-        uint32_t b[4];
-        ldsm_x4(kb + 64u * s2, b[0], b[1], b[2], b[3]);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t off = 32u * (2 * s2 + hh);
-          uint32_t q0, q1, q2, q3, k0, k1, k2, k3;
-          ldsm_x4(qa + off, q0, q1, q2, q3);
-          ldsm_x4(ka + off, k0, k1, k2, k3);
-          mma16<T16>(cq, q0, q1, q2, q3, b[2 * hh], b[2 * hh + 1]);
-          mma16<T16>(ckk, k0, k1, k2, k3, b[2 * hh], b[2 * hh + 1]);
-        }
-      }
+      float cq[4], ckk[4];
+      gdn_s1_products<KP, LDH, T16>(qs_a, ks_a, a, nt, lane, cq, ckk);
       const bool diag = nt >= 2 * a;  // tiles crossing the diagonal: element stores with j < t only
       for (int r = 0; r < nh; ++r) {
         const float2* Gh = Ghr(r);
         const float* Bs = Bsr(r);
         float vq[4], vk[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = a * kSub + gq + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
-          const float f = j <= t ? __expf(hi_lo_diff(Gh[t], Gh[j])) : 0.f;
-          const float fb = f * Bs[j];
-          vq[e] = p.scale * (cq[e] * fb);
-          vk[e] = j < t ? ckk[e] * fb : 0.f;
-        }
+        gdn_s1_factors(cq, ckk, a, nt, gq, t4, Gh, Bs, p.scale, vq, vk);
         if (r == 0) {
           float* Ar = Ab + (a * kSub + gq) * LDA + nt * 8 + 2 * t4;
           if (!diag) {
